@@ -1,0 +1,1 @@
+"""llm-lanes: LLM serving on Ray Serve with hot and cold lanes."""

@@ -1,0 +1,265 @@
+"""The one configuration schema of llm-lanes.
+
+Every serve config's `args:` block is validated here once, by `AppConfig.model_validate`, before any deployment is
+built. Errors name the field and say how to fix it. Nothing in the app reads hidden environment variables; what is
+configurable lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
+# vLLM's CPU attention backend works on blocks that are a multiple of 32 tokens (measured, see DESIGN.md).
+CPU_BLOCK_MULTIPLE = 32
+# The tuning guide asks for health checks that answer in under 5 s.
+MAX_HEALTH_CHECK_PERIOD_S = 5.0
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are rejected: a typo in a serve config must fail loudly, not be ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(StrictModel):
+    source: str = Field(description="Local path or Hugging Face id of the model (weights + tokenizer).")
+    served_name: str = Field(description="The name clients pass as `model`.")
+    max_model_len: int = Field(2048, gt=0, description="Prompt + completion limit in tokens, for every lane.")
+    tokenizer: str | None = Field(None, description="Tokenizer path/id if it differs from `source`.")
+    load_format: str | None = Field(
+        None, description='vLLM load format; "dummy" runs a real model shape with random weights (benchmarks).'
+    )
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer or self.source
+
+
+class EngineSettings(StrictModel):
+    """The vLLM engine arguments llm-lanes supports, per lane. `extra_engine_args` passes anything else through."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    block_size: int = 32
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    speculative_config: dict[str, Any] | None = None
+    # vLLM-CPU pins an engine's worker threads (VLLM_CPU_OMP_THREADS_BIND); two engines on one host need
+    # disjoint bindings or they share one core. Ignored on GPU.
+    cpu_threads_bind: str | None = None
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineSettings":
+        if self.block_size not in ALLOWED_BLOCK_SIZES:
+            raise ValueError(
+                f"block_size={self.block_size} is not supported: use a power of two in {list(ALLOWED_BLOCK_SIZES)}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 0.95:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range: "
+                "use a fraction in (0, 0.95]; above 0.95 leaves no room for activations and CUDA graphs"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
+                "raise max_num_batched_tokens to at least max_num_seqs (every running sequence needs a token per step)"
+            )
+        clash = set(self.extra_engine_args) & set(type(self).model_fields)
+        if clash:
+            raise ValueError(
+                f"extra_engine_args repeats {sorted(clash)}: set them as first-class fields of the lane's engine"
+            )
+        return self
+
+
+class AutoscalingSettings(StrictModel):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(16, gt=0)
+    upscale_delay_s: float = Field(10, ge=0)
+    downscale_delay_s: float = Field(60, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoscalingSettings":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}: lower min_replicas "
+                "or raise max_replicas"
+            )
+        return self
+
+
+class LaneDeploymentSettings(StrictModel):
+    """How Ray Serve runs a lane's replicas."""
+
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingSettings | None = None
+    num_cpus: float = Field(1, ge=0)
+    # Fraction of a GPU per replica when tensor_parallel_size == 1 (e.g. 0.5 to share one GPU between lanes).
+    # With tensor_parallel_size > 1 the replica gets a placement group of whole GPUs instead.
+    num_gpus: float = Field(0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    health_check_period_s: float = Field(3, gt=0)
+    health_check_timeout_s: float = Field(30, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20, ge=0)
+    placement_group_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
+
+    @model_validator(mode="after")
+    def _check(self) -> "LaneDeploymentSettings":
+        if self.health_check_period_s >= MAX_HEALTH_CHECK_PERIOD_S:
+            raise ValueError(
+                f"health_check_period_s={self.health_check_period_s} is too slow: use less than "
+                f"{MAX_HEALTH_CHECK_PERIOD_S} s (the tuning guide's health-check rule)"
+            )
+        return self
+
+
+class LaneConfig(StrictModel):
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    deployment: LaneDeploymentSettings = Field(default_factory=LaneDeploymentSettings)
+
+
+class RouterConfig(StrictModel):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    # Default completion length when the client sends no max_tokens.
+    default_max_tokens: int = Field(256, ge=1)
+
+
+class PrefixCacheConfig(StrictModel):
+    """Prefix-affinity rules; defaults are the tuning guide's values."""
+
+    match_threshold: float = Field(0.85, description="Route by affinity when match ratio >= this.")
+    min_prefix_tokens: int = Field(1024, ge=1, description="Prompts shorter than this skip affinity.")
+    max_pinned_prefixes: int | None = Field(None, ge=0, description="Default: number of GPUs x 4.")
+    max_entries: int = Field(200_000, ge=1, description="Bound on indexed blocks; least recently used go first.")
+    num_cpus: float = Field(0.1, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "PrefixCacheConfig":
+        if not 0 < self.match_threshold <= 1:
+            raise ValueError(f"match_threshold={self.match_threshold} is out of range: use a ratio in (0, 1]")
+        return self
+
+
+class AppConfig(StrictModel):
+    """The `args:` of a serve config (`import_path: app.main:build_app`)."""
+
+    name: str = "llm-lanes"
+    device: Literal["cpu", "gpu"] = "gpu"
+    model: ModelConfig
+    hot_lane: LaneConfig = Field(default_factory=LaneConfig)
+    cold_lane: LaneConfig = Field(default_factory=LaneConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        for lane_name in ("hot_lane", "cold_lane"):
+            _check_lane(self, lane_name, getattr(self, lane_name))
+        return self
+
+    def lane(self, name: str) -> LaneConfig:
+        return {"hot": self.hot_lane, "cold": self.cold_lane}[name]
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs the app asks for at its minimum size (replicas x GPUs per replica, rounded up)."""
+        total = 0.0
+        for lane in (self.hot_lane, self.cold_lane):
+            replicas = lane.deployment.autoscaling.min_replicas if lane.deployment.autoscaling else (
+                lane.deployment.num_replicas
+            )
+            total += replicas * gpus_per_replica(lane)
+        return max(1, int(-(-total // 1))) if self.device == "gpu" else 0
+
+    @property
+    def pinned_prefix_limit(self) -> int:
+        # The tuning guide: keep at most (number of GPUs x 4) hot prefixes pinned; one "GPU" on a CPU-only host.
+        if self.prefix_cache.max_pinned_prefixes is not None:
+            return self.prefix_cache.max_pinned_prefixes
+        return max(1, self.total_gpus) * 4
+
+
+def gpus_per_replica(lane: LaneConfig) -> float:
+    tp = lane.engine.tensor_parallel_size
+    return float(tp) if tp > 1 else lane.deployment.num_gpus
+
+
+def placement_group_bundles(lane: LaneConfig) -> list[dict[str, float]] | None:
+    """A TP group of N GPUs: the replica actor and rank 0 share the first bundle, one GPU per further rank."""
+    tp = lane.engine.tensor_parallel_size
+    if tp == 1:
+        return None
+    return [{"GPU": 1, "CPU": lane.deployment.num_cpus}] + [{"GPU": 1} for _ in range(tp - 1)]
+
+
+def _check_lane(cfg: AppConfig, lane_name: str, lane: LaneConfig) -> None:
+    engine, deployment = lane.engine, lane.deployment
+    where = f"{lane_name}.engine"
+    if cfg.model.max_model_len % engine.block_size:
+        raise ValueError(
+            f"model.max_model_len={cfg.model.max_model_len} is not a multiple of {where}.block_size="
+            f"{engine.block_size}: pick a max_model_len divisible by the block size"
+        )
+    if cfg.device == "cpu":
+        if engine.block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"{where}.block_size={engine.block_size} does not work on CPU: vLLM's CPU attention needs a "
+                f"multiple of {CPU_BLOCK_MULTIPLE}"
+            )
+        if engine.kv_cache_memory_bytes is None:
+            raise ValueError(
+                f"{where}.kv_cache_memory_bytes is required on CPU: vLLM cannot size the KV cache from free memory "
+                "there (e.g. 268435456 for 256 MiB)"
+            )
+        if engine.tensor_parallel_size != 1 or deployment.num_gpus:
+            raise ValueError(f"{lane_name}: device is cpu, so use tensor_parallel_size 1 and num_gpus 0")
+    else:
+        if engine.tensor_parallel_size == 1 and deployment.num_gpus <= 0:
+            raise ValueError(
+                f"{lane_name}.deployment.num_gpus must be > 0 on GPU with tensor_parallel_size 1 "
+                "(e.g. 1, or 0.5 for two lanes sharing one GPU)"
+            )
+        if engine.tensor_parallel_size > 1 and deployment.num_gpus not in (0, engine.tensor_parallel_size):
+            raise ValueError(
+                f"{lane_name}.deployment.num_gpus={deployment.num_gpus} contradicts tensor_parallel_size="
+                f"{engine.tensor_parallel_size}: a TP replica gets whole GPUs from its placement group "
+                f"{placement_group_bundles(lane)}; leave num_gpus at 0"
+            )
+    if deployment.autoscaling and deployment.num_replicas != 1:
+        raise ValueError(f"{lane_name}.deployment: set num_replicas or autoscaling, not both")
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem: `field.path: message`, as an operator wants to read it."""
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key; check its spelling against app/config.py"
+        lines.append(f"{path}: {message}")
+    return "\n".join(lines)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_app_config(args: dict[str, Any]) -> AppConfig:
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as error:
+        raise ConfigError("invalid llm-lanes config:\n" + format_validation_error(error)) from None

@@ -1,0 +1,162 @@
+"""The vLLM adapter: the only module in llm-lanes that imports vllm.
+
+It owns one `AsyncLLM` per lane replica and speaks in llm-lanes' own types (LaneRequest in, LaneChunk out,
+EngineStats for the scheduler's state), through vLLM's public surface: AsyncEngineArgs, AsyncLLM, SamplingParams,
+TokensPrompt and a stat logger (the hook vLLM offers for reading scheduler stats every engine step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from app.config import AppConfig, EngineSettings
+from app.lanes.types import EngineStats, LaneChunk, LaneRequest
+
+logger = logging.getLogger(__name__)
+
+
+def engine_args_dict(cfg: AppConfig, settings: EngineSettings) -> dict[str, Any]:
+    """Our schema -> vLLM engine arguments. Pure, so the mapping is unit-tested without vLLM."""
+    args: dict[str, Any] = dict(
+        model=cfg.model.source,
+        tokenizer=cfg.model.tokenizer_source,
+        served_model_name=cfg.model.served_name,
+        max_model_len=cfg.model.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        scheduling_policy=settings.scheduling_policy,
+        dtype=settings.dtype,
+        enforce_eager=settings.enforce_eager,
+        # The stat logger below needs stats on.
+        disable_log_stats=False,
+    )
+    if cfg.device == "gpu":
+        args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.kv_cache_memory_bytes is not None:
+        args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if settings.speculative_config:
+        args["speculative_config"] = dict(settings.speculative_config)
+    if cfg.model.load_format:
+        args["load_format"] = cfg.model.load_format
+    if settings.tensor_parallel_size > 1:
+        # Inside a Serve replica the TP workers must be Ray actors in the replica's placement group; a
+        # multiprocessing executor would only see the one GPU Ray gave the replica actor.
+        args["distributed_executor_backend"] = "ray"
+    args.update(settings.extra_engine_args)
+    return args
+
+
+class VllmEngine:
+    """One vLLM AsyncLLM, started by `start()`, stopped by `shutdown()`."""
+
+    def __init__(self, cfg: AppConfig, settings: EngineSettings, lane: str, replica_id: str):
+        self.cfg = cfg
+        self.settings = settings
+        self.lane = lane
+        self.replica_id = replica_id
+        self._engine = None
+        self._latest_scheduler_stats = None
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self.cfg.device == "cpu" and self.settings.cpu_threads_bind:
+            # Read by vLLM's CPU worker when it starts; each lane pins its own cores.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpu_threads_bind
+        engine_args = AsyncEngineArgs(**engine_args_dict(self.cfg, self.settings))
+        self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stat_logger_factory()])
+
+    def _stat_logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class LatestSchedulerStats(StatLoggerBase):
+            """Keeps the scheduler's state of the latest engine step: fresh numbers without scraping."""
+
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is None:
+                    return
+                engine._latest_scheduler_stats = scheduler_stats
+                prefix = scheduler_stats.prefix_cache_stats
+                if prefix.reset:
+                    engine._prefix_queries = engine._prefix_hits = 0
+                engine._prefix_queries += prefix.queries
+                engine._prefix_hits += prefix.hits
+
+            def log_engine_initialized(self):
+                pass
+
+        return LatestSchedulerStats
+
+    @property
+    def tokenizer(self):
+        return self._engine.get_tokenizer()
+
+    async def generate(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        options = request.sampling
+        params = SamplingParams(
+            max_tokens=options.max_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            stop=list(options.stop) or None,
+            seed=options.seed,
+            ignore_eos=options.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        completion_tokens = 0
+        base = LaneChunk(text="", completion_tokens=0, prompt_tokens=len(request.prompt_token_ids),
+                         replica_id=self.replica_id, lane=self.lane)
+        # AsyncLLM aborts the engine request itself when this generator is cancelled or closed (client gone).
+        async for output in self._engine.generate(prompt, params, request.request_id, priority=request.priority):
+            completion = output.outputs[0]
+            completion_tokens += len(completion.token_ids)
+            yield replace(
+                base,
+                text=completion.text,
+                completion_tokens=completion_tokens,
+                cached_prompt_tokens=output.num_cached_tokens or 0,
+                finish_reason=completion.finish_reason if output.finished else None,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    def stats(self) -> EngineStats:
+        latest = self._latest_scheduler_stats
+        cache = self._engine.vllm_config.cache_config if self._engine else None
+        capacity = cache.num_gpu_blocks * cache.block_size if cache and cache.num_gpu_blocks else None
+        return EngineStats(
+            running=latest.num_running_reqs if latest else 0,
+            waiting=latest.num_waiting_reqs if latest else 0,
+            kv_cache_usage=latest.kv_cache_usage if latest else 0.0,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
+            kv_capacity_tokens=capacity,
+        )
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None

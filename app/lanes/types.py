@@ -1,0 +1,55 @@
+"""What travels between the Router and a lane replica. Plain dataclasses: no vLLM, no Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class LaneRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    request_class: str
+    priority: int
+    # W3C trace context of the caller, so the lane's spans join the request's trace.
+    trace_carrier: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LaneChunk:
+    """One streamed piece of a generation. Token counts are cumulative so the last chunk carries the usage."""
+
+    text: str
+    completion_tokens: int
+    prompt_tokens: int
+    cached_prompt_tokens: int = 0
+    finish_reason: str | None = None
+    replica_id: str = ""
+    lane: str = ""
+
+
+@dataclass
+class EngineStats:
+    """A fresh snapshot of one engine: the tuning guide's `get_engine_stats()['scheduler']['running']` and more."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_capacity_tokens: int | None = None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,79 @@
+"""build_app(args) -> the llm-lanes Serve application. A pure builder: nothing happens at import.
+
+Serve configs point here (`import_path: app.main:build_app`) and pass the `args:` block, which is validated once
+against app/config.py before anything is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray.serve import Application
+
+from app.config import AppConfig, LaneConfig, load_app_config, placement_group_bundles
+
+
+def _resolve_local_paths(cfg: AppConfig) -> AppConfig:
+    """Relative model paths are relative to where `serve run` starts; replicas run elsewhere, so make them absolute."""
+    model = cfg.model
+    updates = {}
+    for field in ("source", "tokenizer"):
+        value = getattr(model, field)
+        if value and not Path(value).is_absolute() and Path(value).exists():
+            updates[field] = str(Path(value).resolve())
+    if not updates:
+        return cfg
+    return cfg.model_copy(update={"model": model.model_copy(update=updates)})
+
+
+def lane_deployment_options(lane: LaneConfig) -> dict[str, Any]:
+    """Ray Serve options of one lane, derived from the schema (placement group from tensor_parallel_size)."""
+    settings = lane.deployment
+    bundles = placement_group_bundles(lane)
+    options: dict[str, Any] = {
+        "max_ongoing_requests": settings.max_ongoing_requests,
+        "health_check_period_s": settings.health_check_period_s,
+        "health_check_timeout_s": settings.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
+        "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": 0 if bundles else settings.num_gpus},
+    }
+    if bundles:
+        options["placement_group_bundles"] = bundles
+        options["placement_group_strategy"] = settings.placement_group_strategy
+    if settings.autoscaling:
+        scaling = settings.autoscaling
+        options["num_replicas"] = "auto"
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            "initial_replicas": scaling.initial_replicas,
+            "target_ongoing_requests": scaling.target_ongoing_requests,
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+        }
+    else:
+        options["num_replicas"] = settings.num_replicas
+    return options
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    # Imported here so that importing app.main stays cheap and side-effect free.
+    from app.lanes.cold import ColdLane
+    from app.lanes.hot import HotLane
+    from app.prefix_cache.deployment import PrefixCache
+    from app.router.http import Router
+
+    cfg = _resolve_local_paths(load_app_config(args))
+    app_args = cfg.model_dump(mode="json")
+    prefix_cache = PrefixCache.options(
+        num_replicas=1, ray_actor_options={"num_cpus": cfg.prefix_cache.num_cpus}
+    ).bind(app_args)
+    hot = HotLane.options(**lane_deployment_options(cfg.hot_lane)).bind(app_args, prefix_cache)
+    cold = ColdLane.options(**lane_deployment_options(cfg.cold_lane)).bind(app_args, prefix_cache)
+    router = Router.options(
+        num_replicas=cfg.router.num_replicas,
+        max_ongoing_requests=cfg.router.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+    ).bind(app_args, hot, cold, prefix_cache)
+    return router

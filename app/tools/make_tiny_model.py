@@ -1,0 +1,124 @@
+"""Generate the tiny Llama-architecture model that the CPU default and the tests serve.
+
+    python -m app.tools.make_tiny_model models/tiny-llama
+
+No download of any kind: the byte-level BPE tokenizer is trained with `tokenizers` on text that ships with Python
+itself (standard-library docstrings), and the weights are drawn from a seeded generator. The outputs are gibberish,
+but every serving code path (tokenize, chat template, prefill, decode, prefix cache, priority, KV events) is real.
+The same Python and package versions give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+BOS, EOS, PAD = SPECIAL_TOKENS
+# Llama-3-style chat template, reduced to what a tiny model needs: role headers and an end-of-turn token.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start|>{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+# Python's own text: present on every machine with this interpreter, so training needs no download.
+CORPUS_MODULES = [
+    "asyncio", "collections", "json", "itertools", "functools", "pathlib", "dataclasses", "argparse",
+    "logging", "subprocess", "threading", "socket", "http.client", "email", "unittest", "re", "string", "random",
+    "statistics", "decimal", "fractions", "datetime", "calendar", "textwrap", "difflib", "heapq", "bisect",
+]
+# ~1M parameters: embeddings dominate; head_dim 64 is a size vLLM's CPU attention supports.
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=16384,
+)
+
+
+def corpus_lines() -> list[str]:
+    lines: list[str] = []
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        for obj in [module, *(getattr(module, attr) for attr in sorted(dir(module)))]:
+            doc = getattr(obj, "__doc__", None)
+            if isinstance(doc, str):
+                lines.extend(line.strip() for line in doc.splitlines() if line.strip())
+    return lines
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS + ["<|start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
+    )
+    fast.model_max_length = MODEL_SHAPE["max_position_embeddings"]
+    fast.save_pretrained(out_dir)
+
+
+def build_model(out_dir: Path) -> int:
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_tiny_model(out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)
+    params = build_model(out_dir)
+    (out_dir / "llm_lanes_tiny.json").write_text(json.dumps({"seed": SEED, "parameters": params}) + "\n")
+    return params
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="folder to write the model into")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder already holds the model")
+    args = parser.parse_args(argv)
+    if (args.out_dir / "llm_lanes_tiny.json").exists() and not args.force:
+        print(f"tiny model already at {args.out_dir} (use --force to rebuild)")
+        return
+    params = make_tiny_model(args.out_dir)
+    print(f"wrote tiny Llama model ({params:,} parameters) to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

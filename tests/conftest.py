@@ -1,0 +1,16 @@
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ROOT / "models" / "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The locally generated tiny model (made by scripts/setup.sh; made here if a test run skipped set-up)."""
+    if not (TINY_MODEL / "llm_lanes_tiny.json").exists():
+        from app.tools.make_tiny_model import make_tiny_model
+
+        make_tiny_model(TINY_MODEL)
+    return TINY_MODEL

@@ -1,0 +1,111 @@
+"""Session-scoped real app: `serve run` on a copy of serve_configs/local.yaml (real Ray Serve, real vLLM on CPU).
+
+It is the README's serve command path; only the ports differ so a developer's own app on :8000 is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+HTTP_PORT = 18000
+GRPC_PORT = 19000
+START_TIMEOUT_S = 420
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
+    document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
+    document["http_options"]["port"] = HTTP_PORT
+    document["grpc_options"]["port"] = GRPC_PORT
+    document["applications"][0]["args"]["model"]["source"] = str(tiny_model)
+    path = tmp_dir / "local-test.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _stop(process: subprocess.Popen, ray_bin: Path, env: dict) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def app_url(tmp_path_factory, tiny_model) -> str:
+    tmp_dir = tmp_path_factory.mktemp("serve")
+    config = _write_test_config(tmp_dir, tiny_model)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_dir / "serve.log"
+    log = log_path.open("w")
+    process = subprocess.Popen([str(bin_dir / "serve"), "run", str(config)], cwd=ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{HTTP_PORT}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"serve run exited with {process.returncode}; log: {log_path}\n"
+                                   + log_path.read_text()[-4000:])
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"app did not answer within {START_TIMEOUT_S} s; log: {log_path}\n"
+                                   + log_path.read_text()[-4000:])
+            time.sleep(2)
+        yield url
+    finally:
+        _stop(process, bin_dir / "ray", env)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def served_model() -> str:
+    document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
+    return document["applications"][0]["args"]["model"]["served_name"]
+
+
+@pytest.fixture(scope="session")
+def openai_client(app_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def lane_stats(app_url: str) -> dict[str, dict]:
+    """lane -> stats of its (single, in local.yaml) replica, from GET /v1/admin/stats."""
+    body = httpx.get(f"{app_url}/v1/admin/stats", timeout=10).json()
+    return {lane: replicas[0] for lane, replicas in body["lanes"].items()}
+
+
+def wait_until(predicate, timeout_s: float = 30, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -1,0 +1,149 @@
+"""The OpenAI-compatible API on the real app: official SDK, streaming, lanes, disconnects, bad input."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import lane_stats, wait_until
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something about Python."}]
+
+
+def test_models_lists_the_served_model(openai_client, served_model):
+    assert [m.id for m in openai_client.models.list().data] == [served_model]
+
+
+def test_chat_completion(openai_client, served_model):
+    answer = openai_client.chat.completions.create(model=served_model, messages=CHAT, max_tokens=12,
+                                                   temperature=0.0, seed=3)
+    choice = answer.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert answer.usage.completion_tokens <= 12 and answer.usage.prompt_tokens > 5
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_greedy_is_deterministic(openai_client, served_model):
+    texts = {openai_client.completions.create(model=served_model, prompt="The module", max_tokens=8,
+                                              temperature=0).choices[0].text for _ in range(2)}
+    assert len(texts) == 1
+
+
+def test_chat_completion_streaming_with_usage(openai_client, served_model):
+    chunks = list(openai_client.chat.completions.create(
+        model=served_model, messages=CHAT, max_tokens=10, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_completion_and_streaming_completion(openai_client, served_model):
+    answer = openai_client.completions.create(model=served_model, prompt="Return a value", max_tokens=6,
+                                              extra_body={"ignore_eos": True})
+    assert answer.choices[0].text and answer.usage.completion_tokens == 6
+    pieces = [c.choices[0].text for c in openai_client.completions.create(
+        model=served_model, prompt="Return a value", max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+        if c.choices]
+    assert len(pieces) >= 2 and "".join(pieces)
+
+
+def test_completion_accepts_token_ids(openai_client, served_model):
+    answer = openai_client.completions.create(model=served_model, prompt=[5, 6, 7, 8], max_tokens=3)
+    assert answer.usage.prompt_tokens == 4
+
+
+def test_service_tier_picks_the_lane(app_url, served_model):
+    before = lane_stats(app_url)
+    served = {}
+    for tier, lane in (("flex", "cold"), ("default", "hot"), ("priority", "hot")):
+        response = httpx.post(f"{app_url}/v1/completions", timeout=60, json={
+            "model": served_model, "prompt": "lanes", "max_tokens": 2, "service_tier": tier})
+        assert response.status_code == 200
+        assert response.headers["x-llm-lanes-lane"] == lane
+        served[tier] = response.headers["x-llm-lanes-request-class"]
+    after = lane_stats(app_url)
+
+    def grew(lane, request_class):
+        return after[lane]["served_by_class"].get(request_class, 0) - before[lane]["served_by_class"].get(
+            request_class, 0)
+
+    assert served == {"flex": "batch", "default": "interactive", "priority": "realtime"}
+    assert grew("cold", "batch") == 1 and grew("hot", "batch") == 0
+    assert grew("hot", "interactive") == 1 and grew("hot", "realtime") == 1
+    assert grew("cold", "interactive") == 0
+
+
+def test_client_disconnect_aborts_the_engine_request(app_url, served_model):
+    body = {"model": served_model, "prompt": "long story", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{app_url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in received)
+            assert lane_stats(app_url)["hot"]["running"] == 1
+        # Leaving the block closes the connection mid-stream.
+    drained = wait_until(lambda: (s := lane_stats(app_url)["hot"])["running"] == 0 and not s["inflight_by_class"],
+                         timeout_s=30)
+    assert drained, lane_stats(app_url)["hot"]
+
+
+BAD_REQUESTS = [
+    # (description, path, raw body or json, status, message fragment, param)
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "tiny-llama", "messages": [', 400, "not valid JSON", None),
+    ("wrong type", "/v1/chat/completions", {"model": "tiny-llama", "messages": "hello"}, 422, "valid list",
+     "messages"),
+    ("wrong max_tokens type", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}, 422,
+     "valid integer", "max_tokens"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "does not exist", "model"),
+    ("empty prompt", "/v1/completions", {"model": "tiny-llama", "prompt": ""}, 400, "prompt is empty", "prompt"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny-llama", "messages": []}, 400, "at least one message",
+     "messages"),
+    ("over max_model_len", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 4000}, 400,
+     "maximum context length is 2048", "max_tokens"),
+    ("n > 1", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 422, "only n=1", "n"),
+    ("unknown request class", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "service_tier": "gold"}, 400,
+     "unknown service_tier", "service_tier"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(app_url, served_model, case):
+    _, path, payload, status, fragment, param = case
+    kwargs = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(
+        payload, bytes) else {"json": payload}
+    response = httpx.post(f"{app_url}{path}", timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert "Traceback" not in response.text
+    good = httpx.post(f"{app_url}/v1/completions", timeout=60,
+                      json={"model": served_model, "prompt": "still alive", "max_tokens": 2})
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] is not None
+
+
+def test_unknown_request_class_header_is_refused(app_url, served_model):
+    response = httpx.post(f"{app_url}/v1/completions", timeout=30, headers={"X-Request-Class": "vip"},
+                          json={"model": served_model, "prompt": "x", "max_tokens": 2})
+    assert response.status_code == 400 and "X-Request-Class header" in response.json()["error"]["message"]
+
+
+def test_sdk_raises_typed_errors(openai_client):
+    with pytest.raises(openai.NotFoundError):
+        openai_client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        openai_client.completions.create(model="tiny-llama", prompt="x", max_tokens=10_000)
+
+
+def test_health_and_unknown_route(app_url):
+    assert httpx.get(f"{app_url}/health", timeout=10).json() == {"status": "ok"}
+    missing = httpx.get(f"{app_url}/v1/nothing-here", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

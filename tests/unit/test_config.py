@@ -1,0 +1,164 @@
+"""Config schema rules: each rule fails with a message that names the field and the fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.config import AppConfig, ConfigError, load_app_config, placement_group_bundles
+from app.lanes.engine import engine_args_dict
+from app.main import lane_deployment_options
+
+SERVE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "serve_configs").glob("*.yaml"))
+
+
+def cpu_args(**overrides):
+    lane = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32"}, "deployment": {}}
+    args = {
+        "device": "cpu",
+        "model": {"source": "models/tiny-llama", "served_name": "tiny", "max_model_len": 2048},
+        "hot_lane": yaml.safe_load(yaml.safe_dump(lane)),
+        "cold_lane": yaml.safe_load(yaml.safe_dump(lane)),
+    }
+    for dotted, value in overrides.items():
+        node = args
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return args
+
+
+def gpu_args(**overrides):
+    args = cpu_args(**overrides)
+    args["device"] = "gpu"
+    for lane in ("hot_lane", "cold_lane"):
+        args[lane]["deployment"].setdefault("num_gpus", 0.5)
+    return args
+
+
+def error_of(args) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_app_config(args)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_every_serve_config_validates(path):
+    document = yaml.safe_load(path.read_text())
+    for application in document["applications"]:
+        assert application["import_path"] == "app.main:build_app"
+        cfg = load_app_config(application["args"])
+        assert cfg.model.served_name
+
+
+def test_defaults_follow_the_tuning_guide():
+    cfg = load_app_config(gpu_args())
+    assert cfg.prefix_cache.match_threshold == 0.85
+    assert cfg.prefix_cache.min_prefix_tokens == 1024
+    assert cfg.pinned_prefix_limit == cfg.total_gpus * 4 == 4
+
+
+@pytest.mark.parametrize("block_size", [8, 48, 256])
+def test_block_size_must_be_an_allowed_power_of_two(block_size):
+    message = error_of(gpu_args(**{"hot_lane.engine.block_size": block_size}))
+    assert "hot_lane.engine" in message and f"block_size={block_size}" in message and "[16, 32, 64, 128]" in message
+
+
+def test_block_size_16_is_refused_on_cpu_only():
+    assert load_app_config(gpu_args(**{"hot_lane.engine.block_size": 16, "model.max_model_len": 2048}))
+    message = error_of(cpu_args(**{"cold_lane.engine.block_size": 16}))
+    assert "cold_lane.engine.block_size=16" in message and "multiple of 32" in message
+
+
+def test_max_model_len_must_be_a_multiple_of_block_size():
+    message = error_of(cpu_args(**{"model.max_model_len": 2000}))
+    assert "model.max_model_len=2000" in message and "block_size=32" in message and "divisible" in message
+
+
+@pytest.mark.parametrize("utilization", [0, -0.1, 0.96, 1.5])
+def test_gpu_memory_utilization_range(utilization):
+    message = error_of(gpu_args(**{"cold_lane.engine.gpu_memory_utilization": utilization}))
+    assert "cold_lane.engine" in message and "gpu_memory_utilization" in message and "(0, 0.95]" in message
+
+
+def test_batched_tokens_must_cover_max_num_seqs():
+    message = error_of(cpu_args(**{"hot_lane.engine.max_num_seqs": 512,
+                                   "hot_lane.engine.max_num_batched_tokens": 256}))
+    assert "max_num_batched_tokens=256 < max_num_seqs=512" in message and "raise max_num_batched_tokens" in message
+
+
+def test_tensor_parallel_size_must_be_positive():
+    message = error_of(gpu_args(**{"hot_lane.engine.tensor_parallel_size": 0}))
+    assert "hot_lane.engine.tensor_parallel_size" in message
+
+
+def test_tp_pair_gets_strict_pack_bundles():
+    cfg = load_app_config(gpu_args(**{"hot_lane.engine.tensor_parallel_size": 2,
+                                      "hot_lane.deployment.num_gpus": 0,
+                                      "hot_lane.deployment.num_cpus": 1}))
+    assert placement_group_bundles(cfg.hot_lane) == [{"GPU": 1, "CPU": 1}, {"GPU": 1}]
+    options = lane_deployment_options(cfg.hot_lane)
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["ray_actor_options"]["num_gpus"] == 0
+    assert engine_args_dict(cfg, cfg.hot_lane.engine)["distributed_executor_backend"] == "ray"
+
+
+def test_tp_contradicting_gpu_count_is_refused():
+    message = error_of(gpu_args(**{"hot_lane.engine.tensor_parallel_size": 2, "hot_lane.deployment.num_gpus": 1}))
+    assert "num_gpus=1" in message and "tensor_parallel_size=2" in message and "leave num_gpus at 0" in message
+
+
+def test_gpu_lane_without_gpu_is_refused():
+    args = gpu_args()
+    args["cold_lane"]["deployment"]["num_gpus"] = 0
+    assert "cold_lane.deployment.num_gpus must be > 0" in error_of(args)
+
+
+def test_cpu_needs_kv_cache_memory_bytes():
+    args = cpu_args()
+    del args["hot_lane"]["engine"]["kv_cache_memory_bytes"]
+    assert "hot_lane.engine.kv_cache_memory_bytes is required on CPU" in error_of(args)
+
+
+def test_unknown_keys_are_rejected_with_their_path():
+    message = error_of(cpu_args(**{"hot_lane.engine.max_num_seq": 4}))
+    assert "hot_lane.engine.max_num_seq: unknown key" in message
+    assert "unknown key" in error_of(cpu_args(**{"routr": {}}))
+
+
+def test_health_check_period_must_be_under_five_seconds():
+    message = error_of(cpu_args(**{"hot_lane.deployment.health_check_period_s": 10}))
+    assert "health_check_period_s=10" in message and "less than 5" in message
+
+
+def test_match_threshold_range():
+    assert "match_threshold=1.5" in error_of(cpu_args(**{"prefix_cache.match_threshold": 1.5}))
+    assert "match_threshold=0" in error_of(cpu_args(**{"prefix_cache.match_threshold": 0}))
+
+
+def test_autoscaling_bounds():
+    message = error_of(cpu_args(**{"cold_lane.deployment.autoscaling": {"min_replicas": 3, "max_replicas": 2}}))
+    assert "min_replicas=3 > max_replicas=2" in message
+
+
+def test_extra_engine_args_cannot_shadow_fields():
+    message = error_of(cpu_args(**{"hot_lane.engine.extra_engine_args": {"block_size": 64}}))
+    assert "extra_engine_args repeats ['block_size']" in message
+
+
+def test_engine_args_mapping_on_cpu():
+    cfg = load_app_config(cpu_args(**{"hot_lane.engine.extra_engine_args": {"seed": 7}}))
+    args = engine_args_dict(cfg, cfg.hot_lane.engine)
+    assert args["kv_cache_memory_bytes"] == 1 << 28
+    assert args["scheduling_policy"] == "priority" and args["enable_prefix_caching"] is True
+    assert "gpu_memory_utilization" not in args and "distributed_executor_backend" not in args
+    assert args["seed"] == 7 and args["disable_log_stats"] is False
+
+
+def test_autoscaling_maps_to_serve_options():
+    cfg = AppConfig.model_validate(cpu_args(**{"cold_lane.deployment.autoscaling": {"min_replicas": 1,
+                                                                                      "max_replicas": 3}}))
+    options = lane_deployment_options(cfg.cold_lane)
+    assert options["num_replicas"] == "auto"
+    assert options["autoscaling_config"]["max_replicas"] == 3
