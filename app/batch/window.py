@@ -1,0 +1,92 @@
+"""Dynamic concurrency window for a cold-lane replica: how many batch requests to keep in flight (16-32 by default,
+the tuning guide's dynamic batch range).
+
+AIMD on measured numbers, one decision per observation interval:
+- latency (time per output token, which includes time queued inside the engine) above target -> multiplicative
+  decrease (x decrease_factor, never below min_size): the engine is queueing, so back off fast;
+- latency within target and throughput (output tokens/s) improved by at least min_throughput_gain over the previous
+  interval -> additive increase (+1, never above max_size): more concurrency is still buying throughput;
+- otherwise hold: more in flight would only add queueing.
+Pure and deterministic: callers pass timestamps; nothing reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    latency_s: float  # request start to last token
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class WindowDecision:
+    size: int
+    reason: str  # "grow", "shrink", "hold", "too_few_samples"
+    throughput_tok_s: float | None
+    latency_per_token_s: float | None
+
+
+class ConcurrencyWindow:
+    def __init__(self, min_size: int = 16, max_size: int = 32, *, initial_size: int | None = None,
+                 target_latency_per_token_s: float = 0.1, decrease_factor: float = 0.5,
+                 min_throughput_gain: float = 0.02, min_samples: int = 8, interval_s: float = 5.0):
+        if not 1 <= min_size <= max_size:
+            raise ValueError(f"window bounds must satisfy 1 <= min_size <= max_size, got {min_size}..{max_size}")
+        if not 0 < decrease_factor < 1:
+            raise ValueError(f"decrease_factor={decrease_factor} must be in (0, 1)")
+        if target_latency_per_token_s <= 0 or interval_s <= 0:
+            raise ValueError("target_latency_per_token_s and interval_s must be > 0")
+        self.min_size = min_size
+        self.max_size = max_size
+        self.size = min(max(initial_size if initial_size is not None else min_size, min_size), max_size)
+        self.target_latency_per_token_s = target_latency_per_token_s
+        self.decrease_factor = decrease_factor
+        self.min_throughput_gain = min_throughput_gain
+        self.min_samples = min_samples
+        self.interval_s = interval_s
+        self._samples: list[WindowSample] = []
+        self._interval_start: float | None = None
+        self._previous_throughput: float | None = None
+
+    def begin(self, now: float) -> None:
+        """Start the first observation interval (when dispatching starts); later intervals start themselves."""
+        if self._interval_start is None:
+            self._interval_start = now
+
+    def record(self, latency_s: float, output_tokens: int, now: float) -> None:
+        """One finished request. Without begin(), the first record starts the first interval."""
+        if self._interval_start is None:
+            self._interval_start = now
+        self._samples.append(WindowSample(max(0.0, latency_s), max(0, int(output_tokens))))
+
+    def update_if_due(self, now: float) -> WindowDecision | None:
+        """Close the interval and decide, once interval_s has passed since it began; None before that."""
+        if self._interval_start is None or now - self._interval_start < self.interval_s:
+            return None
+        return self.update(now)
+
+    def update(self, now: float) -> WindowDecision:
+        """Close the current observation interval at `now` and apply one AIMD step."""
+        samples, start = self._samples, self._interval_start
+        if len(samples) < self.min_samples or start is None:
+            # Too little evidence: keep collecting into the same interval.
+            return WindowDecision(self.size, "too_few_samples", None, None)
+        self._samples, self._interval_start = [], now
+        elapsed = max(now - start, 1e-9)
+        tokens = sum(s.output_tokens for s in samples)
+        throughput = tokens / elapsed
+        latency_per_token = sum(s.latency_s for s in samples) / max(tokens, 1)
+        previous, self._previous_throughput = self._previous_throughput, throughput
+        if latency_per_token > self.target_latency_per_token_s:
+            self.size = max(self.min_size, math.floor(self.size * self.decrease_factor))
+            reason = "shrink"
+        elif previous is None or throughput >= previous * (1 + self.min_throughput_gain):
+            self.size = min(self.max_size, self.size + 1)
+            reason = "grow"
+        else:
+            reason = "hold"
+        return WindowDecision(self.size, reason, throughput, latency_per_token)

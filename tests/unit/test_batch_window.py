@@ -1,0 +1,93 @@
+"""AIMD concurrency window on synthetic measurement sequences."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.batch.window import ConcurrencyWindow
+
+TARGET = 0.1  # seconds per output token
+
+
+def feed(window: ConcurrencyWindow, start: float, duration: float, requests: int, tokens_each: int,
+         latency_per_token: float) -> float:
+    """Record `requests` finished requests spread over [start, start + duration); returns the interval's end."""
+    window.begin(start)
+    for i in range(requests):
+        window.record(latency_per_token * tokens_each, tokens_each, start + duration * (i + 1) / requests)
+    return start + duration
+
+
+def test_starts_at_min_and_grows_by_one_while_throughput_improves():
+    window = ConcurrencyWindow(16, 32, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0)
+    assert window.size == 16
+    now = 0.0
+    sizes = []
+    for step in range(5):
+        # Throughput rises 10 % per interval, latency well under target.
+        now = feed(window, now, 1.0, requests=10 + step, tokens_each=100, latency_per_token=0.05)
+        decision = window.update(now)
+        sizes.append(decision.size)
+        assert decision.reason == "grow"
+    assert sizes == [17, 18, 19, 20, 21]
+
+
+def test_holds_when_throughput_plateaus():
+    window = ConcurrencyWindow(16, 32, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0)
+    now = feed(window, 0.0, 1.0, 10, 100, 0.05)
+    assert window.update(now).reason == "grow"
+    now = feed(window, now, 1.0, 10, 100, 0.05)  # same throughput
+    decision = window.update(now)
+    assert (decision.reason, decision.size) == ("hold", 17)
+
+
+def test_halves_on_latency_above_target_but_never_below_min():
+    window = ConcurrencyWindow(16, 32, initial_size=30, target_latency_per_token_s=TARGET, min_samples=4,
+                               interval_s=1.0)
+    now = feed(window, 0.0, 1.0, 10, 100, 0.2)
+    decision = window.update(now)
+    assert (decision.reason, decision.size) == ("shrink", 16)
+    assert decision.latency_per_token_s == pytest.approx(0.2)
+    now = feed(window, now, 1.0, 10, 100, 0.3)
+    assert window.update(now).size == 16
+
+
+def test_never_exceeds_max():
+    window = ConcurrencyWindow(16, 18, target_latency_per_token_s=TARGET, min_samples=1, interval_s=1.0)
+    now = 0.0
+    for step in range(6):
+        now = feed(window, now, 1.0, 5 + 5 * step, 100, 0.01)
+        window.update(now)
+    assert window.size == 18
+
+
+def test_sawtooth_is_deterministic():
+    def run() -> list[int]:
+        window = ConcurrencyWindow(16, 32, target_latency_per_token_s=TARGET, min_samples=2, interval_s=1.0)
+        now, sizes = 0.0, []
+        # Latency rises with the window (an engine that starts queueing past ~24 in flight).
+        for step in range(40):
+            latency = 0.05 if window.size < 24 else 0.15
+            now = feed(window, now, 1.0, 10 + step, 50, latency)
+            sizes.append(window.update(now).size)
+        return sizes
+
+    first, second = run(), run()
+    assert first == second
+    assert max(first) == 24 and min(first) >= 16
+    assert 16 in first[first.index(24):]  # backed off multiplicatively after crossing the target
+
+
+def test_waits_for_enough_samples_and_interval():
+    window = ConcurrencyWindow(16, 32, min_samples=8, interval_s=5.0)
+    window.record(1.0, 10, now=1.0)
+    assert window.update_if_due(now=2.0) is None  # interval not over
+    assert window.update_if_due(now=10.0).reason == "too_few_samples"
+    assert window.size == 16
+
+
+def test_rejects_bad_bounds():
+    with pytest.raises(ValueError):
+        ConcurrencyWindow(32, 16)
+    with pytest.raises(ValueError):
+        ConcurrencyWindow(16, 32, decrease_factor=1.0)
