@@ -81,6 +81,16 @@ class EngineSettings(StrictModel):
         return self
 
 
+class QueueDepthTargets(StrictModel):
+    """The cold lane's queue-depth policy (app.batch.autoscaling): one replica per this much backlog."""
+
+    target_lines_per_replica: float = Field(256, gt=0)
+    target_backlog_tokens_per_replica: float = Field(262_144, gt=0)
+    target_waiting_per_replica: float = Field(8, gt=0)
+    target_ongoing_per_replica: float = Field(32, gt=0)
+    scale_to_zero: bool = False
+
+
 class AutoscalingSettings(StrictModel):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(2, ge=1)
@@ -88,9 +98,17 @@ class AutoscalingSettings(StrictModel):
     target_ongoing_requests: float = Field(16, gt=0)
     upscale_delay_s: float = Field(10, ge=0)
     downscale_delay_s: float = Field(60, ge=0)
+    # Set: replicas follow the batch backlog and engine queues (custom Ray Serve policy); unset: Ray's default
+    # policy on ongoing requests (target_ongoing_requests).
+    queue_depth: QueueDepthTargets | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "AutoscalingSettings":
+        if self.queue_depth and self.queue_depth.scale_to_zero != (self.min_replicas == 0):
+            raise ValueError(
+                "queue_depth.scale_to_zero and min_replicas disagree: scale to zero needs min_replicas 0 "
+                "(and min_replicas 0 needs scale_to_zero true)"
+            )
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}: lower min_replicas "
@@ -153,6 +171,31 @@ class PrefixCacheConfig(StrictModel):
         return self
 
 
+class BatchConfig(StrictModel):
+    """Durable batch jobs (OpenAI Files + Batches API) drained into the cold lane."""
+
+    store: str = Field(".data/batches.sqlite3", description="SQLite file path, or a postgresql:// URL (clusters).")
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Uploads above this get 413.")
+    lease_s: float = Field(60, gt=0, description="A claimed line returns to the queue if not renewed this long.")
+    max_attempts: int = Field(3, ge=1)
+    poll_interval_s: float = Field(0.5, gt=0)
+    # The tuning guide's dynamic batch of 16-32 requests in flight, adapted by an AIMD window.
+    window_min: int = Field(16, ge=1)
+    window_max: int = Field(32, ge=1)
+    target_latency_per_token_s: float = Field(0.1, gt=0)
+    window_interval_s: float = Field(5, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "BatchConfig":
+        if self.window_min > self.window_max:
+            raise ValueError(f"window_min={self.window_min} > window_max={self.window_max}: lower window_min")
+        return self
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.store.startswith(("postgresql://", "postgres://"))
+
+
 class AppConfig(StrictModel):
     """The `args:` of a serve config (`import_path: app.main:build_app`)."""
 
@@ -163,6 +206,7 @@ class AppConfig(StrictModel):
     cold_lane: LaneConfig = Field(default_factory=LaneConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -22,9 +22,11 @@ def _resolve_local_paths(cfg: AppConfig) -> AppConfig:
         value = getattr(model, field)
         if value and not Path(value).is_absolute() and Path(value).exists():
             updates[field] = str(Path(value).resolve())
-    if not updates:
-        return cfg
-    return cfg.model_copy(update={"model": model.model_copy(update=updates)})
+    if updates:
+        cfg = cfg.model_copy(update={"model": model.model_copy(update=updates)})
+    if not cfg.batch.is_postgres and not Path(cfg.batch.store).is_absolute():
+        cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"store": str(Path(cfg.batch.store).resolve())})})
+    return cfg
 
 
 def lane_deployment_options(lane: LaneConfig) -> dict[str, Any]:
@@ -52,6 +54,11 @@ def lane_deployment_options(lane: LaneConfig) -> dict[str, Any]:
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
         }
+        if scaling.queue_depth:
+            options["autoscaling_config"]["policy"] = {
+                "policy_function": "app.batch.autoscaling:ColdLanePolicy",
+                "policy_kwargs": scaling.queue_depth.model_dump(),
+            }
     else:
         options["num_replicas"] = settings.num_replicas
     return options

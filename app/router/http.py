@@ -12,12 +12,15 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.batch import openai_shapes as batch_shapes
+from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
 from app.config import load_app_config
 from app.lanes.types import LaneChunk, LaneRequest, SamplingOptions
 from app.router import openai_api as api
@@ -31,6 +34,13 @@ fastapi_app = FastAPI(title="llm-lanes", docs_url="/docs", openapi_url="/openapi
 @fastapi_app.exception_handler(api.OpenAIError)
 async def _openai_error(_: Request, error: api.OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+@fastapi_app.exception_handler(BatchStoreError)
+async def _batch_store_error(_: Request, error: BatchStoreError) -> JSONResponse:
+    status = 404 if isinstance(error, NotFoundError) else 409 if isinstance(error, ConflictError) else 400
+    converted = api.OpenAIError(status, str(error), code={404: "not_found", 409: "conflict"}.get(status))
+    return JSONResponse(converted.body(), status_code=status)
 
 
 @fastapi_app.exception_handler(RequestValidationError)
@@ -53,6 +63,13 @@ async def _unexpected_error(_: Request, error: Exception) -> JSONResponse:
     return JSONResponse(api.OpenAIError(500, "internal server error", type="server_error").body(), status_code=500)
 
 
+class CreateBatchRequest(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -60,13 +77,28 @@ def _sse(payload: dict[str, Any] | str) -> str:
 @serve.deployment(name="Router")
 @serve.ingress(fastapi_app)
 class Router:
-    def __init__(self, app_args: dict[str, Any], hot_lane, cold_lane, prefix_cache):
+    async def __init__(self, app_args: dict[str, Any], hot_lane, cold_lane, prefix_cache):
         from transformers import AutoTokenizer
+
+        from app.batch.dispatcher import BatchDispatcher
+        from app.batch.store import open_batch_store
+        from app.batch.window import ConcurrencyWindow
 
         self.cfg = load_app_config(app_args)
         self.lanes = {"hot": hot_lane, "cold": cold_lane}
         self.prefix_cache = prefix_cache
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_source)
+        batch = self.cfg.batch
+        self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
+        # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
+        self.dispatcher = BatchDispatcher(
+            self.batch_store, self._execute_batch_line,
+            window=ConcurrencyWindow(min_size=batch.window_min, max_size=batch.window_max,
+                                     target_latency_per_token_s=batch.target_latency_per_token_s,
+                                     interval_s=batch.window_interval_s),
+            lease_s=batch.lease_s, poll_interval_s=batch.poll_interval_s, max_attempts=batch.max_attempts,
+        )
+        self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
 
     # ---- routes -------------------------------------------------------------------------------------------
 
@@ -84,7 +116,13 @@ class Router:
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: api.ChatCompletionRequest, request: Request):
-        self._check_model(body.model)
+        return await self._serve(body, request, kind="chat")
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, body: api.CompletionRequest, request: Request):
+        return await self._serve(body, request, kind="completion")
+
+    def _chat_token_ids(self, body: api.ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise api.OpenAIError(400, "messages must hold at least one message", param="messages",
                                   code="empty_prompt")
@@ -96,12 +134,9 @@ class Router:
             raise api.OpenAIError(400, "every message is empty: send some content", param="messages",
                                   code="empty_prompt")
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._serve(body, request, token_ids, kind="chat")
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    @fastapi_app.post("/v1/completions")
-    async def completions(self, body: api.CompletionRequest, request: Request):
-        self._check_model(body.model)
+    def _completion_token_ids(self, body: api.CompletionRequest) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -119,7 +154,7 @@ class Router:
                 raise api.OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not token_ids:
             raise api.OpenAIError(400, "prompt is empty", param="prompt", code="empty_prompt")
-        return await self._serve(body, request, token_ids, kind="completion")
+        return token_ids
 
     @fastapi_app.get("/v1/admin/stats")
     async def admin_stats(self) -> dict[str, Any]:
@@ -156,28 +191,31 @@ class Router:
             return requested
         return min(self.cfg.router.default_max_tokens, limit - prompt_tokens)
 
-    async def _serve(self, body, request: Request, token_ids: list[int], kind: str):
+    def _prepare(self, body, kind: str, class_header: str | None) -> tuple[LaneRequest, str]:
+        """Validate, tokenize once, classify: everything before a lane is involved. Raises OpenAIError."""
+        self._check_model(body.model)
+        token_ids = self._chat_token_ids(body) if kind == "chat" else self._completion_token_ids(body)
         try:
-            request_class = classify(body.service_tier, request.headers.get(REQUEST_CLASS_HEADER))
+            request_class = classify(body.service_tier, class_header)
         except UnknownRequestClass as error:
             raise api.OpenAIError(400, str(error), param=error.param, code="invalid_request_class") from None
         policy = policy_for(request_class)
         max_tokens = self._max_tokens(body, len(token_ids))
-        request_id = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
         lane_request = LaneRequest(
-            request_id=request_id,
+            request_id=api.new_id("chatcmpl" if kind == "chat" else "cmpl"),
             prompt_token_ids=token_ids,
             sampling=SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      stop=body.stop_list, seed=body.seed, ignore_eos=body.ignore_eos),
             request_class=request_class.value,
             priority=policy.priority,
         )
-        lane = policy.lane.value
-        headers = {"x-llm-lanes-lane": lane, "x-llm-lanes-request-class": request_class.value}
+        return lane_request, policy.lane.value
+
+    async def _start(self, lane: str, lane_request: LaneRequest):
+        """Send to the lane and wait for the first chunk, so a failing lane still gets a proper status code."""
         stream = self.lanes[lane].options(stream=True).generate.remote(lane_request)
         try:
-            # Wait for the first chunk before answering, so a failing lane still gets a proper status code.
-            first = await stream.__anext__()
+            return await stream.__anext__(), stream
         except StopAsyncIteration:
             raise api.OpenAIError(500, "the engine returned no output", type="server_error") from None
         except asyncio.CancelledError:
@@ -185,15 +223,88 @@ class Router:
             raise
         except Exception as error:
             stream.cancel()
-            logger.warning("lane %s failed request %s: %s", lane, request_id, error)
+            logger.warning("lane %s failed request %s: %s", lane, lane_request.request_id, error)
             raise api.OpenAIError(503, f"the {lane} lane could not serve the request; retry shortly",
                                   type="server_error", code="lane_unavailable", headers={"Retry-After": "1"}) from None
-        model = self.cfg.model.served_name
+
+    async def _serve(self, body, request: Request, kind: str):
+        lane_request, lane = self._prepare(body, kind, request.headers.get(REQUEST_CLASS_HEADER))
+        headers = {"x-llm-lanes-lane": lane, "x-llm-lanes-request-class": lane_request.request_class}
+        first, stream = await self._start(lane, lane_request)
+        model, request_id = self.cfg.model.served_name, lane_request.request_id
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._sse_events(kind, request_id, model, first, stream, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(await self._collect(kind, request_id, model, first, stream), headers=headers)
+
+    # ---- batch API (OpenAI Files + Batches) ---------------------------------------------------------------
+
+    @fastapi_app.post("/v1/files")
+    async def upload_file(self, file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:
+        if purpose != "batch":
+            raise api.OpenAIError(400, f"purpose {purpose!r} is not supported: use 'batch'", param="purpose")
+        limit = self.cfg.batch.max_file_bytes
+        content = await file.read(limit + 1)
+        if len(content) > limit:
+            raise api.OpenAIError(413, f"file is larger than the {limit}-byte limit: split it into several batches",
+                                  param="file", code="file_too_large")
+        record = await asyncio.to_thread(self.batch_store.create_file, purpose, file.filename or "batch.jsonl",
+                                         content)
+        return batch_shapes.file_object(record)
+
+    @fastapi_app.get("/v1/files/{file_id}")
+    async def get_file(self, file_id: str) -> dict[str, Any]:
+        return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id))
+
+    @fastapi_app.get("/v1/files/{file_id}/content")
+    async def get_file_content(self, file_id: str) -> Response:
+        content = await asyncio.to_thread(self.batch_store.file_content, file_id)
+        return Response(content, media_type="application/jsonl")
+
+    @fastapi_app.post("/v1/batches")
+    async def create_batch(self, body: CreateBatchRequest) -> dict[str, Any]:
+        record = await asyncio.to_thread(self.batch_store.create_batch, body.input_file_id, body.endpoint,
+                                         body.completion_window, body.metadata)
+        return batch_shapes.batch_object(record)
+
+    @fastapi_app.get("/v1/batches/{batch_id}")
+    async def get_batch(self, batch_id: str) -> dict[str, Any]:
+        return batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, batch_id))
+
+    @fastapi_app.get("/v1/batches")
+    async def list_batches(self, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+        page = await asyncio.to_thread(self.batch_store.list_batches, after, limit)
+        return batch_shapes.list_object([batch_shapes.batch_object(b) for b in page.data], page.has_more)
+
+    @fastapi_app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(self.batch_store.cancel_batch, batch_id)
+        return batch_shapes.batch_object(record)
+
+    async def _execute_batch_line(self, line: ClaimedLine) -> dict[str, Any]:
+        """One batch line through the same validation and lane path as an HTTP request, at batch class."""
+        kind = "chat" if line.url == "/v1/chat/completions" else "completion"
+        model = api.ChatCompletionRequest if kind == "chat" else api.CompletionRequest
+        try:
+            body = model.model_validate({**line.body, "stream": False, "service_tier": "flex"})
+            lane_request, lane = self._prepare(body, kind, None)
+            first, stream = await self._start(lane, lane_request)
+            response = await self._collect(kind, lane_request.request_id, self.cfg.model.served_name, first, stream)
+            return {"status_code": 200, "body": response, "request_id": lane_request.request_id}
+        except ValidationError as error:
+            converted = api.validation_error(error.errors())
+            return {"status_code": converted.status, "body": converted.body()}
+        except api.OpenAIError as error:
+            return {"status_code": error.status, "body": error.body()}
+
+    async def __del__(self):
+        # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.
+        self.dispatcher.stop()
+        try:
+            await asyncio.wait_for(self._dispatcher_task, timeout=10)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            pass
 
     async def _collect(self, kind: str, request_id: str, model: str, first: LaneChunk, stream) -> dict[str, Any]:
         pieces, last = [first.text], first
