@@ -1,6 +1,11 @@
 """Generate the tiny Llama-architecture model that the CPU default and the tests serve.
 
     python -m app.tools.make_tiny_model models/tiny-llama
+    python -m app.tools.make_tiny_model --shape llama-3.1-8b models/llama-8b-dummy   # GPU benchmarks
+
+The second form writes only a real model's config.json (Llama-3.1-8B's architecture values) plus the tiny tokenizer
+padded with reserved tokens to that model's vocabulary size, for `load_format: dummy` (random weights, the real
+kernels and memory footprint, no download).
 
 No download of any kind: the byte-level BPE tokenizer is trained with `tokenizers` on text that ships with Python
 itself (standard-library docstrings), and the weights are drawn from a seeded generator. The outputs are gibberish,
@@ -42,6 +47,20 @@ MODEL_SHAPE = dict(
     num_key_value_heads=1,
     max_position_embeddings=16384,
 )
+
+
+# meta-llama/Llama-3.1-8B's architecture (the same values as ../shared/gpu/bench_engine.py).
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+SHAPES = {"llama-3.1-8b": LLAMA31_8B_CONFIG}
 
 
 def corpus_lines() -> list[str]:
@@ -100,6 +119,24 @@ def build_model(out_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def make_shaped_model(out_dir: Path, shape: str) -> None:
+    """config.json of a real architecture + the tiny tokenizer padded to its vocabulary (ids beyond the trained
+    vocabulary decode as reserved special tokens, so every id the random weights produce is decodable)."""
+    from transformers import AutoTokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    config = dict(SHAPES[shape])
+    padding = [f"<|reserved_{i}|>" for i in range(config["vocab_size"] - len(tokenizer))]
+    tokenizer.add_special_tokens({"additional_special_tokens": padding})
+    tokenizer.save_pretrained(out_dir)
+    config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "llm_lanes_tiny.json").write_text(json.dumps({"shape": shape, "load_format": "dummy"}) + "\n")
+
+
 def make_tiny_model(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out_dir)
@@ -112,9 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write the model into")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder already holds the model")
+    parser.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny",
+                        help="tiny: ~1M-parameter model with weights; others: config.json only, for load_format dummy")
     args = parser.parse_args(argv)
     if (args.out_dir / "llm_lanes_tiny.json").exists() and not args.force:
-        print(f"tiny model already at {args.out_dir} (use --force to rebuild)")
+        print(f"model already at {args.out_dir} (use --force to rebuild)")
+        return
+    if args.shape != "tiny":
+        make_shaped_model(args.out_dir, args.shape)
+        print(f"wrote {args.shape}-shaped config + padded tokenizer to {args.out_dir} (use load_format: dummy)")
         return
     params = make_tiny_model(args.out_dir)
     print(f"wrote tiny Llama model ({params:,} parameters) to {args.out_dir}")
