@@ -1,0 +1,155 @@
+"""Start the app under one serve config, wait until it answers, and tear everything down afterwards.
+
+Start: `serve run CONFIG` in its own process group (env RAY_AUTH_MODE=disabled: Ray 2.60's CLI turns token auth on).
+Ready: GET {url}/v1/models answers 200. Stop: `serve shutdown -y`, then the process group (SIGINT, SIGTERM, SIGKILL,
+each after a grace period), then `ray stop --force` so the next config starts on a clean machine.
+Commands are arguments so the lifecycle can be tested with a stand-in server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+READY_POLL_INTERVAL_S = 2.0
+STOP_GRACE_S = 30.0
+SHUTDOWN_COMMAND_TIMEOUT_S = 120.0
+LOG_TAIL_CHARS = 4000
+
+
+def _cli(name: str) -> str:
+    """The CLI next to this interpreter (the project's venv) if there is one, else from PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+def default_start_command(serve_config: str) -> list[str]:
+    return [_cli("serve"), "run", serve_config]
+
+
+def default_stop_commands() -> list[list[str]]:
+    return [[_cli("serve"), "shutdown", "-y"]]
+
+
+def default_cleanup_commands() -> list[list[str]]:
+    return [[_cli("ray"), "stop", "--force"]]
+
+
+class AppStartError(RuntimeError):
+    pass
+
+
+class ServedApp:
+    def __init__(
+        self,
+        url: str,
+        log_path: str | Path,
+        start_command: list[str],
+        stop_commands: list[list[str]] | None = None,
+        cleanup_commands: list[list[str]] | None = None,
+        ready_timeout_s: float = 600.0,
+        ready_path: str = "/v1/models",
+        env: dict[str, str] | None = None,
+        poll_interval_s: float = READY_POLL_INTERVAL_S,
+    ):
+        self.url = url.rstrip("/")
+        self.log_path = Path(log_path)
+        self.start_command = start_command
+        self.stop_commands = stop_commands or []
+        self.cleanup_commands = cleanup_commands or []
+        self.ready_timeout_s = ready_timeout_s
+        self.ready_path = ready_path
+        self.poll_interval_s = poll_interval_s
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        # Its own session: the whole tree (serve, raylet, workers it spawns) can be signalled as one group.
+        self.process = subprocess.Popen(
+            self.start_command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+
+    def wait_ready(self) -> float:
+        """Seconds it took until the ready path answered 200; raises AppStartError on exit or timeout."""
+        assert self.process is not None, "start() first"
+        began = time.monotonic()
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise AppStartError(
+                        f"{' '.join(self.start_command)} exited with {self.process.returncode} before it was ready; "
+                        f"log tail:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.url + self.ready_path).status_code == 200:
+                        return time.monotonic() - began
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - began > self.ready_timeout_s:
+                    raise AppStartError(
+                        f"{self.url}{self.ready_path} did not answer 200 within {self.ready_timeout_s} s; "
+                        f"log tail:\n{self.log_tail()}"
+                    )
+                time.sleep(self.poll_interval_s)
+
+    def stop(self) -> None:
+        """Always safe to call; leaves no process of ours behind."""
+        for command in self.stop_commands:
+            self._run_quietly(command)
+        if self.process is not None and self.process.poll() is None:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(STOP_GRACE_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self.process is not None:
+            # Stragglers left in the group after the leader exited.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for command in self.cleanup_commands:
+            self._run_quietly(command)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _run_quietly(self, command: list[str]) -> None:
+        try:
+            subprocess.run(
+                command, stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=self.env,
+                timeout=SHUTDOWN_COMMAND_TIMEOUT_S, check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            if self._log is not None:
+                self._log.write(f"\n[load_tests] {command}: {error}\n".encode())
+
+    def log_tail(self) -> str:
+        if self._log is not None:
+            self._log.flush()
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> "ServedApp":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
