@@ -1,0 +1,262 @@
+"""Prefix-affinity request router for the lane deployments (a Ray Serve 2.60 `RequestRouter` subclass).
+
+Plug into a lane deployment:
+
+    from ray.serve.config import RequestRouterConfig
+    request_router_config=RequestRouterConfig(
+        request_router_class="app.prefix_cache.request_router:PrefixAffinityRouter",  # or the class itself
+        request_router_kwargs={"block_size": 32, "min_prefix_tokens": 1024, "match_threshold": 0.85,
+                               "max_queue_imbalance": 4, "lookup_timeout_s": 0.005},
+        request_routing_stats_period_s=1.0,   # how often Serve calls the replica's record_routing_stats()
+    )
+
+Per request (`choose_replicas`): read `prompt_token_ids` from the request's first argument (a LaneRequest object or
+dict; keyword arguments are searched too), hash its full blocks (index.block_hashes), ask the PrefixCache deployment
+`lookup(hashes, block_size) -> list[(replica_id, matched_tokens)]` under `asyncio.wait_for` with a small budget,
+and apply policy.decide on the candidates' loads: queue length from Serve's queue-length cache (probing replicas
+missing from it) and `kv_usage` from the replica's routing stats. A timeout, an error or a PrefixCache handle not yet
+ready all mean load-only routing: no request waits on, or fails because of, the prefix cache. Nothing here blocks the
+event loop: the PrefixCache handle is created in a worker thread (creating a handle's router from the router's own
+event loop would deadlock it), and the lookup is awaited.
+
+Replica ids in the index are `ReplicaID.to_full_id_str()`; the engine replica reports under
+`serve.get_replica_context().replica_id.to_full_id_str()`. The replica implements
+`record_routing_stats(self) -> dict` returning at least `{"kv_usage": <fraction of KV cache in use, 0..1>}`.
+
+Ray Serve cloudpickles this module *by value* (RequestRouterConfig registers it so) and unpickles the class in every
+process that routes to the lane. So this module keeps no mutable module-level state: shared, process-wide state
+(decision stats, observers) lives in decision_stats.py, which is imported by reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from app.prefix_cache.decision_stats import (  # noqa: F401  (re-exported for the lead)
+    DecisionStats,
+    add_decision_observer,
+    decision_stats,
+    notify_decision_observers,
+    remove_decision_observer,
+)
+from app.prefix_cache.index import BlockHash, block_hashes
+from app.prefix_cache.policy import (
+    DEFAULT_KV_USAGE_WEIGHT,
+    DEFAULT_MATCH_THRESHOLD,
+    DEFAULT_MAX_QUEUE_IMBALANCE,
+    DEFAULT_MIN_PREFIX_TOKENS,
+    AffinityPolicy,
+    ReplicaLoad,
+    RoutingDecision,
+    decide,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX_CACHE_DEPLOYMENT = "PrefixCache"
+LOOKUP_METHOD = "lookup"
+KV_USAGE_STAT = "kv_usage"  # key of the replica's record_routing_stats() dict
+DEFAULT_LOOKUP_TIMEOUT_S = 0.005
+PROMPT_TOKEN_IDS_FIELD = "prompt_token_ids"
+# Routed-request hashes kept for the approximate feed until Serve confirms the routing.
+MAX_PENDING_ROUTED = 4096
+
+PrefixLookup = Callable[[list[BlockHash], int], Awaitable[Sequence[tuple[str, int]]]]
+
+
+# --- pure helpers ------------------------------------------------------------------------------------------------
+def extract_prompt_token_ids(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> list[int] | None:
+    """`prompt_token_ids` of the first argument (object attribute or dict key) that has it, positional first."""
+    for value in list(args) + list(kwargs.values()):
+        token_ids = value.get(PROMPT_TOKEN_IDS_FIELD) if isinstance(value, Mapping) else getattr(
+            value, PROMPT_TOKEN_IDS_FIELD, None
+        )
+        if token_ids is not None:
+            return list(token_ids)
+    return None
+
+
+async def lookup_with_budget(
+    lookup: PrefixLookup | None, hashes: list[BlockHash], block_size: int, timeout_s: float
+) -> dict[str, int] | None:
+    """replica id -> matched tokens, or None when there is no lookup yet, it timed out or it failed."""
+    if lookup is None:
+        return None
+    try:
+        matches = await asyncio.wait_for(lookup(hashes, block_size), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        return None
+    except Exception as error:  # a dead PrefixCache is routine here: route on load
+        logger.debug("prefix lookup failed: %r", error)
+        return None
+    return {str(replica_id): int(tokens) for replica_id, tokens in matches}
+
+
+def rank_replicas(candidates: Sequence[Any], chosen_id: str, id_of: Callable[[Any], str]) -> list[list[Any]]:
+    """Serve's ranks: the chosen replica first; if it rejects (queue full), the rest (Serve takes the shortest)."""
+    chosen = [c for c in candidates if id_of(c) == chosen_id]
+    rest = [c for c in candidates if id_of(c) != chosen_id]
+    return [rank for rank in (chosen, rest) if rank]
+
+
+# --- the Serve request router ------------------------------------------------------------------------------------
+class PrefixAffinityRouter(RequestRouter):
+    def initialize_state(
+        self,
+        block_size: int = 32,
+        min_prefix_tokens: int = DEFAULT_MIN_PREFIX_TOKENS,
+        match_threshold: float = DEFAULT_MATCH_THRESHOLD,
+        max_queue_imbalance: int = DEFAULT_MAX_QUEUE_IMBALANCE,
+        kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
+        lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+        prefix_cache_deployment: str = PREFIX_CACHE_DEPLOYMENT,
+        prefix_cache_app: str | None = None,
+        routed_prefix_method: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Serve calls this with `request_router_kwargs`. `routed_prefix_method`, when set, turns on the
+        approximate feed: after Serve confirms where a long prompt went, call
+        `PrefixCache.<routed_prefix_method>(replica_id, hashes, block_size)` without waiting for it."""
+        if block_size < 1 or lookup_timeout_s <= 0:
+            raise ValueError("block_size must be >= 1 and lookup_timeout_s > 0")
+        self.block_size = block_size
+        self.policy = AffinityPolicy(min_prefix_tokens, match_threshold, max_queue_imbalance, kv_usage_weight)
+        self.lookup_timeout_s = lookup_timeout_s
+        self._prefix_cache_deployment = prefix_cache_deployment
+        self._prefix_cache_app = prefix_cache_app
+        self._routed_prefix_method = routed_prefix_method
+        self._rng = random.Random(seed)
+        self._lookup: PrefixLookup | None = None
+        self._report_routed: Callable[[str, list[BlockHash], int], None] | None = None
+        self._handle_creation: asyncio.Future | None = None
+        self._lookup_injected = False
+        self._routed_hashes: dict[str, list[BlockHash]] = {}
+        self.stats = decision_stats(self._deployment_id.name)
+
+    # Tests and the lead may inject the lookup (e.g. a function over a local PrefixIndex) instead of the handle.
+    def set_prefix_lookup(
+        self, lookup: PrefixLookup | None, report_routed: Callable[[str, list[BlockHash], int], None] | None = None
+    ) -> None:
+        """Use these instead of the PrefixCache handle (None: no prefix cache at all, always load-only)."""
+        self._lookup = lookup
+        self._report_routed = report_routed
+        self._lookup_injected = True
+
+    def _ensure_prefix_lookup(self) -> None:
+        """Start creating the PrefixCache handle in a worker thread, once; until it exists, lookups "fail"."""
+        if self._lookup_injected or self._lookup is not None or self._handle_creation is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._handle_creation = loop.run_in_executor(None, self._create_prefix_cache_handle)
+        self._handle_creation.add_done_callback(self._on_handle_created)
+
+    def _create_prefix_cache_handle(self) -> tuple[PrefixLookup, Callable[[str, list[BlockHash], int], None] | None]:
+        # Runs in a worker thread: initialising a handle creates its router and waits on Serve's router loop.
+        from ray.serve.handle import DeploymentHandle
+
+        app_name = self._prefix_cache_app if self._prefix_cache_app is not None else self._deployment_id.app_name
+        handle = DeploymentHandle(self._prefix_cache_deployment, app_name)
+        lookup_handle = handle.options(method_name=LOOKUP_METHOD)
+
+        async def lookup(hashes: list[BlockHash], block_size: int) -> Sequence[tuple[str, int]]:
+            return await lookup_handle.remote(hashes, block_size)
+
+        report = None
+        if self._routed_prefix_method:
+            routed_handle = handle.options(method_name=self._routed_prefix_method)
+
+            def report(replica_id: str, hashes: list[BlockHash], block_size: int) -> None:
+                routed_handle.remote(replica_id, hashes, block_size)  # fire and forget
+
+        return lookup, report
+
+    def _on_handle_created(self, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            logger.warning("could not create the %s handle: %r; retrying on the next request",
+                           self._prefix_cache_deployment, None if future.cancelled() else future.exception())
+            self._handle_creation = None
+            return
+        self._lookup, self._report_routed = future.result()
+
+    async def _candidate_loads(self, candidates: Sequence[RunningReplica]) -> list[tuple[RunningReplica, ReplicaLoad]]:
+        """Queue lengths from Serve's cache, probing replicas it lacks; replicas that do not answer or are full are
+        left out unless that leaves none."""
+        queue_lens: dict[ReplicaID, int | None] = {}
+        missing: list[RunningReplica] = []
+        for replica in candidates:
+            cached = None
+            if self._use_replica_queue_len_cache:
+                cached = self._replica_queue_len_cache.get(replica.replica_id)
+            if cached is None:
+                missing.append(replica)
+            queue_lens[replica.replica_id] = cached
+        if missing:
+            for replica, queue_len in await self._probe_queue_lens(missing, 0):
+                queue_lens[replica.replica_id] = queue_len
+        loads = []
+        for replica in candidates:
+            queue_len = queue_lens.get(replica.replica_id)
+            if queue_len is None or queue_len >= replica.max_ongoing_requests:
+                continue
+            kv_usage = float((replica.routing_stats or {}).get(KV_USAGE_STAT, 0.0))
+            loads.append((replica, ReplicaLoad(replica.replica_id.to_full_id_str(), queue_len, kv_usage)))
+        if not loads:  # nobody answered or all full: let Serve's retry/backoff sort it out among all of them
+            loads = [(r, ReplicaLoad(r.replica_id.to_full_id_str(), queue_lens.get(r.replica_id) or 0,
+                                     float((r.routing_stats or {}).get(KV_USAGE_STAT, 0.0)))) for r in candidates]
+        return loads
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        started = time.perf_counter()
+        if pending_request is not None:
+            # Back off between retries when every candidate is full instead of spinning (and re-looking-up).
+            pending_request.routing_context.should_backoff = True
+        token_ids = (
+            extract_prompt_token_ids(pending_request.args, pending_request.kwargs) if pending_request else None
+        ) or []
+        hashes: list[BlockHash] = []
+        matched: dict[str, int] | None = None
+        if len(token_ids) >= self.policy.min_prefix_tokens:
+            self._ensure_prefix_lookup()
+            hashes = block_hashes(token_ids, self.block_size)
+            matched, loads = await asyncio.gather(
+                lookup_with_budget(self._lookup, hashes, self.block_size, self.lookup_timeout_s),
+                self._candidate_loads(candidate_replicas),
+            )
+        else:
+            loads = await self._candidate_loads(candidate_replicas)
+        decision = decide(len(token_ids), [load for _, load in loads], matched, self.policy, self._rng)
+        self.record_decision(decision, time.perf_counter() - started)
+        if hashes and pending_request is not None and (self._routed_prefix_method or self._report_routed):
+            self._remember_routed(pending_request.metadata.internal_request_id, hashes)
+        replicas = [replica for replica, _ in loads]
+        return rank_replicas(replicas, decision.replica_id, lambda r: r.replica_id.to_full_id_str())
+
+    def record_decision(self, decision: RoutingDecision, elapsed_s: float) -> None:
+        self.stats.observe(decision, elapsed_s)
+        notify_decision_observers(self._deployment_id.name, decision, elapsed_s)
+
+    def _remember_routed(self, internal_request_id: str, hashes: list[BlockHash]) -> None:
+        if len(self._routed_hashes) >= MAX_PENDING_ROUTED:
+            self._routed_hashes.pop(next(iter(self._routed_hashes)))
+        self._routed_hashes[internal_request_id] = hashes
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        hashes = self._routed_hashes.pop(pending_request.metadata.internal_request_id, None)
+        if hashes and self._report_routed is not None:
+            try:
+                self._report_routed(replica_id.to_full_id_str(), hashes, self.block_size)
+            except Exception:
+                logger.debug("approximate prefix feed failed", exc_info=True)
