@@ -52,6 +52,9 @@ class EngineSettings(StrictModel):
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
     speculative_config: dict[str, Any] | None = None
+    # Tokens per streamed chunk after the first (which is never held back). Every chunk is one Ray object on its way
+    # through the Router, so 1 can make the Router, not the engine, the bottleneck of fast small models.
+    stream_interval: int = Field(1, ge=1)
     # vLLM-CPU pins an engine's worker threads (VLLM_CPU_OMP_THREADS_BIND); two engines on one host need
     # disjoint bindings or they share one core. Ignored on GPU.
     cpu_threads_bind: str | None = None
@@ -145,6 +148,54 @@ class LaneDeploymentSettings(StrictModel):
 class LaneConfig(StrictModel):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     deployment: LaneDeploymentSettings = Field(default_factory=LaneDeploymentSettings)
+    # Completions asking for more are clipped to this, not refused (None: only max_model_len limits).
+    max_tokens_cap: int | None = Field(None, ge=1)
+
+
+class BreakerConfig(StrictModel):
+    """Per-lane circuit breaker: open after `failure_threshold` consecutive failures within the window."""
+
+    failure_threshold: int = Field(5, ge=1)
+    failure_window_s: float = Field(30, gt=0)
+    cooldown_s: float = Field(10, gt=0)
+    half_open_max_probes: int = Field(1, ge=1)
+    success_threshold: int = Field(2, ge=1)
+
+
+class DeadlineConfig(StrictModel):
+    """Request timeout per class: max(floor, p99_multiplier x rolling P99) -- the tuning guide's "timeout > 3xP99"."""
+
+    realtime_timeout_floor_s: float = Field(15, gt=0)
+    interactive_timeout_floor_s: float = Field(60, gt=0)
+    batch_timeout_floor_s: float = Field(600, gt=0)
+    p99_multiplier: float = Field(3.0, ge=1)
+    window: int = Field(1000, ge=1)
+    min_samples: int = Field(100, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeadlineConfig":
+        if self.min_samples > self.window:
+            raise ValueError(f"min_samples={self.min_samples} > window={self.window}: lower min_samples")
+        return self
+
+
+class AdmissionConfig(StrictModel):
+    """Admission control in the Router and in front of each hot engine."""
+
+    enabled: bool = Field(True, description="False: no gate, no back-pressure, no spill (a plain single pool).")
+    # The tuning guide's high-priority queue of batch <= 4 per hot replica.
+    realtime_max_inflight: int = Field(4, ge=1)
+    # The tuning guide's 20 % of the KV pool kept for real-time requests.
+    realtime_kv_reserve: float = Field(0.20, ge=0, lt=1)
+    # The tuning guide's "> 8K tokens degrade to the memory-efficient path": long prompts go to the cold lane.
+    long_context_threshold: int = Field(8192, ge=1)
+    # Interactive requests spill to the cold lane when their predicted hot-lane queue wait exceeds this.
+    interactive_ttft_slo_s: float = Field(1.0, gt=0)
+    realtime_queue_bound: int = Field(32, ge=0)
+    interactive_queue_bound: int = Field(128, ge=0)
+    drain_rate_time_constant_s: float = Field(10.0, gt=0)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
 
 
 class RouterConfig(StrictModel):
@@ -203,25 +254,37 @@ class AppConfig(StrictModel):
     device: Literal["cpu", "gpu"] = "gpu"
     model: ModelConfig
     hot_lane: LaneConfig = Field(default_factory=LaneConfig)
-    cold_lane: LaneConfig = Field(default_factory=LaneConfig)
+    # null: no cold lane -- one pool serves every class (the single-pool baseline).
+    cold_lane: LaneConfig | None = Field(default_factory=LaneConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         for lane_name in ("hot_lane", "cold_lane"):
-            _check_lane(self, lane_name, getattr(self, lane_name))
+            if getattr(self, lane_name) is not None:
+                _check_lane(self, lane_name, getattr(self, lane_name))
         return self
 
     def lane(self, name: str) -> LaneConfig:
-        return {"hot": self.hot_lane, "cold": self.cold_lane}[name]
+        lane = {"hot": self.hot_lane, "cold": self.cold_lane}[name]
+        if lane is None:
+            raise KeyError(f"this app has no {name} lane")
+        return lane
+
+    @property
+    def lane_names(self) -> list[str]:
+        return ["hot"] + (["cold"] if self.cold_lane is not None else [])
 
     @property
     def total_gpus(self) -> int:
         """GPUs the app asks for at its minimum size (replicas x GPUs per replica, rounded up)."""
         total = 0.0
         for lane in (self.hot_lane, self.cold_lane):
+            if lane is None:
+                continue
             replicas = lane.deployment.autoscaling.min_replicas if lane.deployment.autoscaling else (
                 lane.deployment.num_replicas
             )
@@ -284,6 +347,11 @@ def _check_lane(cfg: AppConfig, lane_name: str, lane: LaneConfig) -> None:
             )
     if deployment.autoscaling and deployment.num_replicas != 1:
         raise ValueError(f"{lane_name}.deployment: set num_replicas or autoscaling, not both")
+    if lane.max_tokens_cap is not None and lane.max_tokens_cap >= cfg.model.max_model_len:
+        raise ValueError(
+            f"{lane_name}.max_tokens_cap={lane.max_tokens_cap} must be below model.max_model_len="
+            f"{cfg.model.max_model_len}: lower it or leave it unset"
+        )
 
 
 def format_validation_error(error: ValidationError) -> str:

@@ -77,7 +77,8 @@ def build_app(args: dict[str, Any]) -> Application:
         num_replicas=1, ray_actor_options={"num_cpus": cfg.prefix_cache.num_cpus}
     ).bind(app_args)
     hot = HotLane.options(**lane_deployment_options(cfg.hot_lane)).bind(app_args, prefix_cache)
-    cold = ColdLane.options(**lane_deployment_options(cfg.cold_lane)).bind(app_args, prefix_cache)
+    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane)).bind(app_args, prefix_cache)
+            if cfg.cold_lane is not None else None)
     router = Router.options(
         num_replicas=cfg.router.num_replicas,
         max_ongoing_requests=cfg.router.max_ongoing_requests,

@@ -139,6 +139,17 @@ def _chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
     return text
 
 
+def _is_token_chunk(chunk: dict[str, Any], endpoint: str) -> bool:
+    """A chunk reporting generated tokens, with or without text: it has a choice, and (chat) is not the role
+    announcement that a server may send before any token. The usage-only last chunk has no choice."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    if endpoint == "chat":
+        return not any("role" in (choice.get("delta") or {}) for choice in choices)
+    return True
+
+
 def _response_text(payload: dict[str, Any], endpoint: str) -> str:
     text = ""
     for choice in payload.get("choices") or []:
@@ -158,12 +169,15 @@ def _take_usage(record: RequestRecord, payload: dict[str, Any]) -> None:
 
 
 async def send(
-    client: httpx.AsyncClient, spec: RequestSpec, run_start: float, tally_headers: list[str], timeout_s: float
+    client: httpx.AsyncClient, spec: RequestSpec, run_start: float, tally_headers: list[str], timeout_s: float,
+    count_empty_chunks: bool = False,
 ) -> RequestRecord:
     start = time.perf_counter()
     record = RequestRecord(spec.stream, spec.request_class, spec.index, spec.streaming, start - run_start)
     try:
-        await asyncio.wait_for(_exchange(client, spec, record, start, tally_headers), timeout_s)
+        await asyncio.wait_for(
+            _exchange(client, spec, record, start, tally_headers, count_empty_chunks), timeout_s
+        )
     except asyncio.TimeoutError:
         record.error = f"timeout: no complete answer within {timeout_s} s"
     except httpx.HTTPError as error:
@@ -176,7 +190,8 @@ async def send(
 
 
 async def _exchange(
-    client: httpx.AsyncClient, spec: RequestSpec, record: RequestRecord, start: float, tally_headers: list[str]
+    client: httpx.AsyncClient, spec: RequestSpec, record: RequestRecord, start: float, tally_headers: list[str],
+    count_empty_chunks: bool = False,
 ) -> None:
     async with client.stream("POST", spec.path, json=spec.body) as response:
         record.status = response.status_code
@@ -205,7 +220,7 @@ async def _exchange(
             if "error" in chunk:
                 record.error = f"stream: {json.dumps(chunk['error'])[:300]}"
                 break
-            if _chunk_text(chunk, spec.endpoint):
+            if _chunk_text(chunk, spec.endpoint) or (count_empty_chunks and _is_token_chunk(chunk, spec.endpoint)):
                 offset = time.perf_counter() - start
                 if record.ttft_s is None:
                     record.ttft_s = offset

@@ -140,6 +140,11 @@ class Scenario(_Strict):
     request_timeout_s: float = Field(600, gt=0)
     # Unmeasured requests sent one by one before the run, so engine warm-up does not land in the numbers.
     warmup_requests: int = Field(0, ge=0)
+    # Count a streamed chunk that carries a choice but no text as a token arrival (TTFT, ITL). For models whose
+    # tokens can decode to nothing: the Llama-8B-shaped dummy model (random weights over a tokenizer padded with
+    # reserved special tokens) samples mostly such tokens, so "first chunk with text" would measure luck, not
+    # latency. Off by default: a real model's first text chunk is the OpenAI-standard TTFT.
+    count_empty_chunks: bool = False
     slo: dict[RequestClassName, ClassSLO] = Field(default_factory=dict)
     tally_headers: list[str] = Field(default_factory=list)
     streams: list[StreamSpec] = Field(min_length=1)

@@ -49,7 +49,7 @@ async def _warm_up(client: httpx.AsyncClient, scenario: Scenario, factory: Promp
         spec = factory.request(stream, -1 - i)
         body = dict(spec.body, max_tokens=WARMUP_MAX_TOKENS)
         warm = RequestSpec(spec.stream, spec.request_class, spec.index, spec.endpoint, spec.streaming, body)
-        await send(client, warm, time.perf_counter(), [], scenario.request_timeout_s)
+        await send(client, warm, time.perf_counter(), [], scenario.request_timeout_s, scenario.count_empty_chunks)
 
 
 async def _run_stream(
@@ -66,7 +66,8 @@ async def _run_stream(
     timeout_s = scenario.request_timeout_s
 
     async def one(index: int) -> None:
-        finished(await send(client, factory.request(stream, index), run_start, tally, timeout_s))
+        finished(await send(client, factory.request(stream, index), run_start, tally, timeout_s,
+                            scenario.count_empty_chunks))
 
     def elapsed() -> float:
         return time.perf_counter() - run_start - stream.start_s

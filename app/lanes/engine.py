@@ -34,6 +34,7 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings) -> dict[str, Any]
         scheduling_policy=settings.scheduling_policy,
         dtype=settings.dtype,
         enforce_eager=settings.enforce_eager,
+        stream_interval=settings.stream_interval,
         # The stat logger below needs stats on.
         disable_log_stats=False,
     )
@@ -119,7 +120,7 @@ class VllmEngine:
             stop=list(options.stop) or None,
             seed=options.seed,
             ignore_eos=options.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         completion_tokens = 0

@@ -13,10 +13,15 @@ from dataclasses import asdict
 from typing import Any
 
 from app.config import AppConfig, load_app_config
-from app.lanes.types import LaneChunk, LaneRequest
+from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated
 from app.prefix_cache.index import block_hashes
+from app.router.admission import Decision, PriorityGate, kv_headroom_decision
+from app.router.classes import RequestClass
 
 logger = logging.getLogger(__name__)
+
+# How often a request held back for KV headroom re-reads the engine's usage.
+KV_HEADROOM_POLL_S = 0.02
 
 
 def vllm_engine_factory(cfg: AppConfig, lane: str, replica_id: str):
@@ -37,12 +42,48 @@ class LaneReplica:
         self.engine = (engine_factory or vllm_engine_factory)(self.cfg, self.lane, self.replica_id)
         await self.engine.start()
         self.prefix_cache = prefix_cache
+        admission = self.cfg.admission
+        # Hot replicas keep the tuning guide's small high-priority queue (realtime <= 4 in flight) and KV reserve.
+        self.gate = (PriorityGate.for_hot_replica(admission.realtime_max_inflight)
+                     if self.lane == "hot" and admission.enabled else None)
         self.inflight_by_class: Counter[str] = Counter()
         self.served_by_class: Counter[str] = Counter()
+        self.held_for_kv = 0
+        # High-water marks: lets an operator (and a test) see the realtime cap hold under load.
+        self.max_inflight_by_class: Counter[str] = Counter()
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
+        if self.gate is None:
+            async for chunk in self._run(request):
+                yield chunk
+            return
+        request_class = RequestClass(request.request_class)
+        await self._wait_for_kv_headroom(request, request_class)
+        # Realtime beyond its in-flight cap waits here, in front of the engine, not inside it.
+        async with self.gate.slot(request_class, request.priority):
+            async for chunk in self._run(request):
+                yield chunk
+
+    async def _wait_for_kv_headroom(self, request: LaneRequest, request_class: RequestClass) -> None:
+        reserve = self.cfg.admission.realtime_kv_reserve
+        held = False
+        while True:
+            decision = kv_headroom_decision(request_class, self.engine.stats().kv_cache_usage, reserve,
+                                            can_spill=request.may_spill)
+            if decision.decision is Decision.ADMIT:
+                return
+            if decision.decision is Decision.SPILL:
+                raise LaneSaturated(decision.reason)
+            if not held:
+                held = True
+                self.held_for_kv += 1
+            await asyncio.sleep(KV_HEADROOM_POLL_S)
+
+    async def _run(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
         self.inflight_by_class[request.request_class] += 1
+        self.max_inflight_by_class[request.request_class] = max(
+            self.max_inflight_by_class[request.request_class], self.inflight_by_class[request.request_class])
         finished = False
         try:
             async for chunk in self.engine.generate(request):
@@ -86,6 +127,9 @@ class LaneReplica:
             "prefix_cache_hit_rate": engine_stats.prefix_cache_hit_rate,
             "inflight_by_class": {k: v for k, v in self.inflight_by_class.items() if v},
             "served_by_class": dict(self.served_by_class),
+            "gate_waiting_by_class": {c.value: self.gate.waiting(c) for c in RequestClass} if self.gate else {},
+            "max_inflight_by_class": dict(self.max_inflight_by_class),
+            "held_for_kv_headroom": self.held_for_kv,
         }
 
     def __del__(self):

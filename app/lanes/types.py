@@ -22,8 +22,20 @@ class LaneRequest:
     sampling: SamplingOptions
     request_class: str
     priority: int
+    # False: the caller wants only the final answer, so the engine sends one chunk (no per-token objects).
+    stream: bool = True
+    # A hot replica without KV headroom may hand this request back for the cold lane instead of holding it.
+    may_spill: bool = False
     # W3C trace context of the caller, so the lane's spans join the request's trace.
     trace_carrier: dict[str, str] = field(default_factory=dict)
+
+
+class LaneSaturated(Exception):
+    """Raised by a hot replica before starting a request it may not admit (KV headroom kept for realtime)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass

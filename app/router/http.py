@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,9 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
 from app.config import load_app_config
-from app.lanes.types import LaneChunk, LaneRequest, SamplingOptions
+from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated, SamplingOptions
 from app.router import openai_api as api
-from app.router.classes import REQUEST_CLASS_HEADER, UnknownRequestClass, classify, policy_for
+from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
+from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
+from app.router.spill import RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,119 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class Generation:
+    """One request on its lane: start (first chunk), then chunks under the class deadline, then bookkeeping once.
+
+    Cancellation anywhere (client gone, deadline) cancels the lane call, which aborts the engine request.
+    """
+
+    def __init__(self, router: "Router", lane_request: LaneRequest, request_class: RequestClass, route: RouteDecision,
+                 timeout_s: float):
+        self.router = router
+        self.request_class = request_class
+        self.route = route
+        self.reasons = list(route.reasons)
+        self.lane = route.lane
+        self.lane_request = replace(lane_request, priority=route.priority,
+                                    sampling=replace(lane_request.sampling, max_tokens=route.max_tokens),
+                                    may_spill=router.control.may_spill(request_class, route.lane))
+        self.timeout_s = timeout_s
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + timeout_s
+        self.stream = None
+        self.last: LaneChunk | None = None
+        self._first: LaneChunk | None = None
+        self._done = False
+
+    def headers(self) -> dict[str, str]:
+        headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
+        if self.reasons:
+            headers["x-llm-lanes-degraded"] = ",".join(self.reasons)
+        return headers
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    async def start(self) -> None:
+        control = self.router.control
+        if not control.allow(self.lane):
+            raise api.OpenAIError(503, f"the {self.lane.value} lane is failing; retry shortly", type="server_error",
+                                  code=f"{self.lane.value}_breaker_open", headers={"Retry-After": "1"})
+        try:
+            self._first = await self._open_stream()
+        except LaneSaturated:
+            # The hot replica keeps its KV headroom for realtime: this interactive request goes to the cold lane.
+            control.hot_refused_for_kv()
+            control.finished(self.request_class, self.lane, Outcome(ok=True), None)
+            self.lane = Lane.COLD
+            self.reasons.append(REASON_KV_HEADROOM)
+            self.lane_request = replace(self.lane_request, may_spill=False)
+            if not control.allow(self.lane):
+                raise api.OpenAIError(503, "both lanes are saturated or failing; retry shortly", type="server_error",
+                                      code="lanes_saturated", headers={"Retry-After": "1"}) from None
+            self._first = await self._open_stream()
+        self.last = self._first
+
+    async def _open_stream(self) -> LaneChunk:
+        self.stream = self.router.lanes[self.lane.value].options(stream=True).generate.remote(self.lane_request)
+        try:
+            return await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining())
+        except LaneSaturated:
+            self.stream.cancel()
+            raise
+        except BaseException as error:
+            self._fail(error)
+            raise self._as_openai_error(error) from None
+
+    async def chunks(self) -> AsyncIterator[LaneChunk]:
+        try:
+            if self._first is not None:
+                yield self._first
+            while self.last.finish_reason is None:
+                try:
+                    chunk = await asyncio.wait_for(anext(self.stream), timeout=self._remaining())
+                except StopAsyncIteration:
+                    break
+                except BaseException as error:
+                    self._fail(error)
+                    raise self._as_openai_error(error) from None
+                self.last = chunk
+                yield chunk
+            self._finish(ok=True)
+        finally:
+            # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
+            self.stream.cancel()
+            if not self._done:
+                self._done = True
+                self.router.control.finished(self.request_class, self.lane, Outcome(ok=True), None)
+
+    def _finish(self, ok: bool, timed_out: bool = False) -> None:
+        if self._done:
+            return
+        self._done = True
+        e2e = time.monotonic() - self.started_at if ok else None
+        self.router.control.finished(self.request_class, self.lane, Outcome(ok=ok, timed_out=timed_out), e2e)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+        if isinstance(error, asyncio.CancelledError):
+            return  # the client went away: not the lane's fault
+        timed_out = isinstance(error, asyncio.TimeoutError)
+        logger.warning("request %s on the %s lane failed: %r", self.lane_request.request_id, self.lane.value, error)
+        self._finish(ok=False, timed_out=timed_out)
+
+    def _as_openai_error(self, error: BaseException) -> BaseException:
+        if isinstance(error, asyncio.CancelledError):
+            return error
+        if isinstance(error, asyncio.TimeoutError):
+            return api.OpenAIError(504, f"the request exceeded its {self.timeout_s:.0f} s deadline for the "
+                                        f"{self.request_class.value} class and was aborted", type="timeout_error",
+                                   code="deadline_exceeded")
+        return api.OpenAIError(503, f"the {self.lane.value} lane could not serve the request; retry shortly",
+                               type="server_error", code="lane_unavailable", headers={"Retry-After": "1"})
+
+
 @serve.deployment(name="Router")
 @serve.ingress(fastapi_app)
 class Router:
@@ -85,7 +202,8 @@ class Router:
         from app.batch.window import ConcurrencyWindow
 
         self.cfg = load_app_config(app_args)
-        self.lanes = {"hot": hot_lane, "cold": cold_lane}
+        self.lanes = {"hot": hot_lane, "cold": cold_lane} if cold_lane is not None else {"hot": hot_lane}
+        self.control = TrafficControl(self.cfg)
         self.prefix_cache = prefix_cache
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_source)
         batch = self.cfg.batch
@@ -164,9 +282,14 @@ class Router:
             except Exception as error:
                 return {"error": str(error)}
 
-        hot, cold, prefix = await asyncio.gather(ask(self.lanes["hot"]), ask(self.lanes["cold"]),
-                                                 ask(self.prefix_cache))
-        return {"lanes": {"hot": [hot], "cold": [cold]}, "prefix_cache": prefix}
+        names = list(self.lanes)
+        *lanes, prefix = await asyncio.gather(*(ask(self.lanes[n]) for n in names), ask(self.prefix_cache))
+        return {
+            "lanes": {name: [stats] for name, stats in zip(names, lanes)},
+            "prefix_cache": prefix,
+            "router": {"breakers": self.control.breaker_states(), "queued_by_class": self.control.queue_depths(),
+                       "batch_window": self.dispatcher.window.size},
+        }
 
     # ---- the request path ---------------------------------------------------------------------------------
 
@@ -175,68 +298,69 @@ class Router:
             raise api.OpenAIError(404, f"model {model!r} does not exist: this server serves "
                                        f"{self.cfg.model.served_name!r}", param="model", code="model_not_found")
 
-    def _max_tokens(self, body, prompt_tokens: int) -> int:
-        limit = self.cfg.model.max_model_len
-        requested = body.requested_max_tokens
-        if prompt_tokens >= limit or (requested is not None and prompt_tokens + requested > limit):
-            raise api.OpenAIError(
-                400,
-                f"this model's maximum context length is {limit} tokens; the request has {prompt_tokens} prompt "
-                f"tokens and asks for {requested if requested is not None else 'at least 1'} completion tokens: "
-                "shorten the prompt or lower max_tokens",
-                param="max_tokens" if requested is not None and prompt_tokens < limit else "messages",
-                code="context_length_exceeded",
-            )
-        if requested is not None:
-            return requested
-        return min(self.cfg.router.default_max_tokens, limit - prompt_tokens)
-
-    def _prepare(self, body, kind: str, class_header: str | None) -> tuple[LaneRequest, str]:
-        """Validate, tokenize once, classify: everything before a lane is involved. Raises OpenAIError."""
+    def _prepare(self, body, kind: str, class_header: str | None) -> tuple[LaneRequest, RequestClass]:
+        """Validate, tokenize once, classify: everything before admission. Raises OpenAIError."""
         self._check_model(body.model)
         token_ids = self._chat_token_ids(body) if kind == "chat" else self._completion_token_ids(body)
         try:
             request_class = classify(body.service_tier, class_header)
         except UnknownRequestClass as error:
             raise api.OpenAIError(400, str(error), param=error.param, code="invalid_request_class") from None
-        policy = policy_for(request_class)
-        max_tokens = self._max_tokens(body, len(token_ids))
+        limit = self.cfg.model.max_model_len
+        if len(token_ids) >= limit:
+            raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the prompt has "
+                                       f"{len(token_ids)}: shorten the prompt", param="messages" if kind == "chat"
+                                  else "prompt", code="context_length_exceeded")
+        requested = body.requested_max_tokens
+        max_tokens = requested if requested is not None else min(self.cfg.router.default_max_tokens,
+                                                                 limit - len(token_ids))
         lane_request = LaneRequest(
             request_id=api.new_id("chatcmpl" if kind == "chat" else "cmpl"),
             prompt_token_ids=token_ids,
             sampling=SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      stop=body.stop_list, seed=body.seed, ignore_eos=body.ignore_eos),
             request_class=request_class.value,
-            priority=policy.priority,
+            priority=policy_for(request_class).priority,
+            stream=body.stream,
         )
-        return lane_request, policy.lane.value
+        return lane_request, request_class
 
-    async def _start(self, lane: str, lane_request: LaneRequest):
-        """Send to the lane and wait for the first chunk, so a failing lane still gets a proper status code."""
-        stream = self.lanes[lane].options(stream=True).generate.remote(lane_request)
+    async def _begin(self, lane_request: LaneRequest, request_class: RequestClass) -> "Generation":
+        """Admit, route, send to a lane and wait for the first chunk. Raises OpenAIError with the right status."""
+        admitted = self.control.admit(request_class)
+        if not admitted.admitted:
+            raise api.OpenAIError(429, f"too many {request_class.value} requests are waiting ({admitted.reason}); "
+                                       f"retry in {admitted.retry_after_s} s", type="rate_limit_error",
+                                  code="queue_full", headers={"Retry-After": str(admitted.retry_after_s)})
+        started = False
         try:
-            return await stream.__anext__(), stream
-        except StopAsyncIteration:
-            raise api.OpenAIError(500, "the engine returned no output", type="server_error") from None
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except Exception as error:
-            stream.cancel()
-            logger.warning("lane %s failed request %s: %s", lane, lane_request.request_id, error)
-            raise api.OpenAIError(503, f"the {lane} lane could not serve the request; retry shortly",
-                                  type="server_error", code="lane_unavailable", headers={"Retry-After": "1"}) from None
+            route = self.control.route(request_class, len(lane_request.prompt_token_ids),
+                                       lane_request.sampling.max_tokens)
+            if isinstance(route, RouteRefusal):
+                headers = {"Retry-After": str(route.retry_after_s)} if route.retry_after_s else None
+                raise api.OpenAIError(route.status, route.message, code=route.code,
+                                      param="max_tokens" if route.status == 400 else None,
+                                      type="invalid_request_error" if route.status == 400 else "server_error",
+                                      headers=headers)
+            generation = Generation(self, lane_request, request_class, route, self.control.timeout_s(request_class))
+            await generation.start()
+            started = True
+            self.control.started(request_class)
+            return generation
+        finally:
+            if not started:
+                self.control.abandoned_before_start(request_class)
 
     async def _serve(self, body, request: Request, kind: str):
-        lane_request, lane = self._prepare(body, kind, request.headers.get(REQUEST_CLASS_HEADER))
-        headers = {"x-llm-lanes-lane": lane, "x-llm-lanes-request-class": lane_request.request_class}
-        first, stream = await self._start(lane, lane_request)
+        lane_request, request_class = self._prepare(body, kind, request.headers.get(REQUEST_CLASS_HEADER))
+        generation = await self._begin(lane_request, request_class)
+        headers = generation.headers()
         model, request_id = self.cfg.model.served_name, lane_request.request_id
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._sse_events(kind, request_id, model, first, stream, include_usage)
+            events = self._sse_events(kind, request_id, model, generation, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return JSONResponse(await self._collect(kind, request_id, model, first, stream), headers=headers)
+        return JSONResponse(await self._collect(kind, request_id, model, generation), headers=headers)
 
     # ---- batch API (OpenAI Files + Batches) ---------------------------------------------------------------
 
@@ -288,9 +412,9 @@ class Router:
         model = api.ChatCompletionRequest if kind == "chat" else api.CompletionRequest
         try:
             body = model.model_validate({**line.body, "stream": False, "service_tier": "flex"})
-            lane_request, lane = self._prepare(body, kind, None)
-            first, stream = await self._start(lane, lane_request)
-            response = await self._collect(kind, lane_request.request_id, self.cfg.model.served_name, first, stream)
+            lane_request, request_class = self._prepare(body, kind, None)
+            generation = await self._begin(lane_request, request_class)
+            response = await self._collect(kind, lane_request.request_id, self.cfg.model.served_name, generation)
             return {"status_code": 200, "body": response, "request_id": lane_request.request_id}
         except ValidationError as error:
             converted = api.validation_error(error.errors())
@@ -306,42 +430,33 @@ class Router:
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             pass
 
-    async def _collect(self, kind: str, request_id: str, model: str, first: LaneChunk, stream) -> dict[str, Any]:
-        pieces, last = [first.text], first
-        try:
-            async for chunk in stream:
-                pieces.append(chunk.text)
-                last = chunk
-        finally:
-            stream.cancel()
+    async def _collect(self, kind: str, request_id: str, model: str, generation: "Generation") -> dict[str, Any]:
+        pieces = []
+        async for chunk in generation.chunks():
+            pieces.append(chunk.text)
+        last = generation.last
         usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
         build = api.chat_response if kind == "chat" else api.completion_response
         return build(request_id, model, "".join(pieces), last.finish_reason, usage)
 
-    async def _sse_events(self, kind: str, request_id: str, model: str, first: LaneChunk, stream,
+    async def _sse_events(self, kind: str, request_id: str, model: str, generation: "Generation",
                           include_usage: bool) -> AsyncIterator[str]:
-        last = first
         try:
             if kind == "chat":
                 yield _sse(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}))
-            chunk: LaneChunk | None = first
-            while chunk is not None:
-                last = chunk
+            async for chunk in generation.chunks():
                 if kind == "chat":
                     delta = {"content": chunk.text} if chunk.text else {}
                     yield _sse(api.chat_chunk(request_id, model, delta, chunk.finish_reason))
                 else:
                     yield _sse(api.completion_chunk(request_id, model, chunk.text, chunk.finish_reason))
-                chunk = await anext(stream, None)
             if include_usage:
+                last = generation.last
                 usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
                 build = api.chat_chunk if kind == "chat" else api.completion_chunk
                 empty = {} if kind == "chat" else ""
                 yield _sse(build(request_id, model, empty, None, usage, with_choice=False))
             yield _sse("[DONE]")
-        except Exception as error:
-            logger.warning("stream %s failed: %s", request_id, error)
-            yield _sse(api.OpenAIError(503, "the lane failed mid-stream", type="server_error").body())
-        finally:
-            # Client gone or stream done: cancelling propagates to the lane replica, which aborts the engine request.
-            stream.cancel()
+        except api.OpenAIError as error:
+            # Headers are gone once streaming started: the error travels as an SSE event, then the stream ends.
+            yield _sse(error.body())

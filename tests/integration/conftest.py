@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
 GRPC_PORT = 19000
 START_TIMEOUT_S = 420
+TEST_MAX_NUM_SEQS = 8
+TEST_INTERACTIVE_QUEUE_BOUND = 24
+TEST_REALTIME_TIMEOUT_S = 4
 
 
 def pytest_collection_modifyitems(items):
@@ -32,7 +35,15 @@ def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
     document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
     document["http_options"]["port"] = HTTP_PORT
     document["grpc_options"]["port"] = GRPC_PORT
-    document["applications"][0]["args"]["model"]["source"] = str(tiny_model)
+    args = document["applications"][0]["args"]
+    args["model"]["source"] = str(tiny_model)
+    # Small engines and short limits so contention, queues, deadlines and breakers show within seconds on 2 cores.
+    args["hot_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
+    args["cold_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
+    args["admission"].update(interactive_queue_bound=TEST_INTERACTIVE_QUEUE_BOUND,
+                             deadlines={"realtime_timeout_floor_s": TEST_REALTIME_TIMEOUT_S},
+                             breaker={"failure_threshold": 3, "cooldown_s": 5})
+    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5}
     path = tmp_dir / "local-test.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
@@ -67,9 +78,12 @@ def app_url(tmp_path_factory, tiny_model) -> str:
                 raise RuntimeError(f"serve run exited with {process.returncode}; log: {log_path}\n"
                                    + log_path.read_text()[-4000:])
             try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                # The Router answers before the engines are up: wait until every lane reports engine stats.
+                stats = httpx.get(f"{url}/v1/admin/stats", timeout=10)
+                if stats.status_code == 200 and all("running" in replicas[0]
+                                                    for replicas in stats.json()["lanes"].values()):
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"app did not answer within {START_TIMEOUT_S} s; log: {log_path}\n"
@@ -100,6 +114,10 @@ def lane_stats(app_url: str) -> dict[str, dict]:
     return {lane: replicas[0] for lane, replicas in body["lanes"].items()}
 
 
+def router_stats(app_url: str) -> dict:
+    return httpx.get(f"{app_url}/v1/admin/stats", timeout=10).json()["router"]
+
+
 def wait_until(predicate, timeout_s: float = 30, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -109,3 +127,15 @@ def wait_until(predicate, timeout_s: float = 30, interval_s: float = 0.2):
         if time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+async def wait_until_async(predicate, timeout_s: float = 30, interval_s: float = 0.1):
+    """wait_until for async tests: the predicate runs in a thread so the test's own requests keep flowing."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await asyncio.to_thread(predicate)
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(interval_s)

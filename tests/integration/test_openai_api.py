@@ -106,7 +106,7 @@ BAD_REQUESTS = [
     ("empty messages", "/v1/chat/completions", {"model": "tiny-llama", "messages": []}, 400, "at least one message",
      "messages"),
     ("over max_model_len", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 4000}, 400,
-     "maximum context length is 2048", "max_tokens"),
+     "exceeds the maximum context length of every lane (cold: 2048, hot: 2048)", "max_tokens"),
     ("n > 1", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 422, "only n=1", "n"),
     ("unknown request class", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "service_tier": "gold"}, 400,
      "unknown service_tier", "service_tier"),

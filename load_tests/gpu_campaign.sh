@@ -1,0 +1,396 @@
+#!/usr/bin/env bash
+# Issue 7's GPU campaign on one H200: the app under each serve config in turn, the same workload each time, one
+# summary. Runs ON the GPU host (the load generator talks to the app over loopback), after the payload is installed:
+#
+#   source /tmp/site.env && bash load_tests/gpu_campaign.sh PHASE [PHASE ...]
+#
+# Phases (run in the order given; each serving phase starts Ray + the app, measures, and tears everything down):
+#   preflight          env + versions, the 8B dummy model dir, app.tools.preflight, app.tools.kv_budget per lane
+#   lanes-tuned        serve_configs/gpu-lanes-tuned.yaml  (hot 0.20 / cold 0.70)
+#   lanes              serve_configs/gpu-single.yaml       (hot 0.40 / cold 0.45)
+#   baseline-fcfs      serve_configs/baseline-gpu.yaml     (one engine, FCFS)
+#   baseline-priority  serve_configs/baseline-gpu-priority.yaml
+#   lanes-tuned-mps    gpu-lanes-tuned.yaml with the CUDA MPS daemon on (optional; skipped if MPS is missing)
+#   config=PATH        any other serve config; the phase is named after the file
+#   summary            only rebuild the summary (every invocation ends with one anyway)
+#
+# A device call is limited to 10 minutes, so one call runs one or two phases. State lives in $CAMPAIGN_DIR
+# (/tmp/campaign), which survives back-to-back calls on a warm machine; at the end of every phase and at exit the
+# whole campaign so far is copied into $OUT (<= 7 files, no folders): summary.md, summary.json, report.md,
+# latency_cdf.png, throughput.png (the combined gpu_mixed report), campaign.tar.gz (everything), campaign.log.
+# A serving phase that would not finish inside the call (CALL_BUDGET_S from CALL_T0) is deferred, not started:
+# the script then exits 3 and lists it in summary.md; run it in the next call.
+#
+# Settings (environment): CALL_T0 (unix time the device call began; default: now), CALL_BUDGET_S (570),
+# PHASE_EST_S (seconds a serving phase needs, 240), READY_TIMEOUT_S (420), SCENARIOS ("gpu_mixed"; e.g.
+# "gpu_mixed gpu_shared_prefix"), SCENARIO_DIR (load_tests/scenarios), CAMPAIGN_DIR (/tmp/campaign), PY (python3).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
+CAMPAIGN_DIR=${CAMPAIGN_DIR:-/tmp/campaign}
+OUT_DIR=${OUT:-$CAMPAIGN_DIR/out}
+PY=${PY:-python3}
+URL=${URL:-http://127.0.0.1:8000}
+MODEL_DIR=${MODEL_DIR:-models/llama-8b-dummy}
+MODEL_NAME=${MODEL_NAME:-llama-8b-dummy}
+CALL_T0=${CALL_T0:-$(date +%s)}
+CALL_BUDGET_S=${CALL_BUDGET_S:-570}
+PHASE_EST_S=${PHASE_EST_S:-240}
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-420}
+SCENARIOS=${SCENARIOS:-gpu_mixed}
+SCENARIO_DIR=${SCENARIO_DIR:-load_tests/scenarios}
+# Kept free at the end of a call for the summary, the tarball and the copy into $OUT.
+FINALIZE_RESERVE_S=30
+# GPU memory (MiB) under which the GPU counts as released after a phase.
+GPU_IDLE_MIB=2048
+
+export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+# No `pip install -e` there: the repo root on PYTHONPATH lets the driver and every Ray worker import `app` (the
+# raylet that `ray start` launches, and the workers it forks, inherit this environment).
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+mkdir -p "$CAMPAIGN_DIR" "$OUT_DIR"
+LOG=$CAMPAIGN_DIR/campaign.log
+SERVE_PID="" GPU_SAMPLER_PID="" STATS_SAMPLER_PID="" MPS_STARTED=0 DEFERRED=()
+
+log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - CALL_T0 ))s] $*" | tee -a "$LOG" >&2; }
+remaining_s() { echo $(( CALL_BUDGET_S - ($(date +%s) - CALL_T0) )); }
+have() { command -v "$1" >/dev/null 2>&1; }
+# Alive and not a zombie (an exited child stays a zombie until `wait` reaps it).
+running() { [ -r "/proc/$1/stat" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" | cut -d' ' -f1)" != Z ]; }
+# JSON value: a number as is, anything else quoted, empty -> null.
+jnum() { [[ "$1" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] && echo "$1" || echo null; }
+
+config_for() {
+  case "$1" in
+    lanes-tuned|lanes-tuned-mps) echo serve_configs/gpu-lanes-tuned.yaml ;;
+    lanes) echo serve_configs/gpu-single.yaml ;;
+    baseline-fcfs) echo serve_configs/baseline-gpu.yaml ;;
+    baseline-priority) echo serve_configs/baseline-gpu-priority.yaml ;;
+    config=*) echo "${1#config=}" ;;
+    *) return 1 ;;
+  esac
+}
+label_for() { case "$1" in config=*) basename "${1#config=}" .yaml ;; *) echo "$1" ;; esac; }
+
+payload_ready() {
+  have serve && have ray && "$PY" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("vllm") and u.find_spec("ray") else 1)'
+}
+
+ensure_model() {
+  [ -f "$MODEL_DIR/config.json" ] && [ -f "$MODEL_DIR/tokenizer.json" ] && return 0
+  log "writing the Llama-3.1-8B-shaped dummy model dir $MODEL_DIR"
+  "$PY" -m app.tools.make_tiny_model --shape llama-3.1-8b "$MODEL_DIR" >>"$LOG" 2>&1
+}
+
+gpu_used_mib() { have nvidia-smi && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -d ' '; }
+
+# ---- preflight --------------------------------------------------------------------------------------------------
+
+phase_preflight() {
+  local dir=$CAMPAIGN_DIR/preflight rc stem lane cfg
+  rm -rf "$dir"; mkdir -p "$dir"
+  log "preflight: environment"
+  { date -u; uname -a; echo "nproc: $(nproc)"; free -g; df -h /tmp; echo
+    nvidia-smi; nvidia-smi -q 2>/dev/null | grep -iE 'product name|driver version|cuda version|compute mode|mig mode|persistence' 
+    echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo absent)"
+    echo "PYTHONPATH=$PYTHONPATH"; echo "python: $(command -v "$PY")"; } >"$dir/env.txt" 2>&1
+  timeout 120 "$PY" - >"$dir/versions.json" 2>>"$dir/env.txt" <<'EOF'
+import json, importlib.metadata as md
+names = ["torch", "vllm", "ray", "pydantic", "fastapi", "starlette", "uvicorn", "httpx", "matplotlib", "tqdm",
+         "pyyaml", "transformers", "tokenizers", "triton", "numpy", "nvidia-ml-py", "prometheus-client",
+         "opentelemetry-sdk", "grpcio"]
+versions = {}
+for n in names:
+    try:
+        versions[n] = md.version(n)
+    except md.PackageNotFoundError:
+        versions[n] = None
+info = {"packages": versions}
+try:
+    import torch
+    info["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", total_memory_gib=round(p.total_memory / 2**30, 2),
+                    multiprocessors=p.multi_processor_count, torch_cuda=torch.version.cuda)
+except Exception as error:  # recorded, not fatal
+    info["torch_error"] = repr(error)
+imports = {}
+for module in ("httpx", "yaml", "pydantic", "tqdm", "matplotlib"):
+    try:
+        __import__(module)
+        imports[module] = "ok"
+    except Exception as error:
+        imports[module] = repr(error)
+info["load_generator_imports"] = imports
+print(json.dumps(info, indent=1))
+EOF
+  ensure_model || log "preflight: model dir FAILED (see log)"
+  log "preflight: serve configs against the schema"
+  for cfg in serve_configs/gpu-single.yaml serve_configs/gpu-lanes-tuned.yaml serve_configs/baseline-gpu.yaml \
+             serve_configs/baseline-gpu-priority.yaml; do
+    validate_config "$cfg" >>"$dir/configs.txt" 2>&1; echo "$cfg: rc=$?" >>"$dir/configs.txt"
+  done
+  log "preflight: app.tools.preflight"
+  timeout 180 "$PY" -m app.tools.preflight --serve-config serve_configs/gpu-single.yaml --json \
+    >"$dir/preflight.json" 2>"$dir/preflight.err"; rc=$?
+  timeout 180 "$PY" -m app.tools.preflight --serve-config serve_configs/gpu-single.yaml --no-bandwidth \
+    >"$dir/preflight.txt" 2>&1
+  local kv_rcs=""
+  for pair in gpu-single:hot gpu-single:cold gpu-lanes-tuned:hot gpu-lanes-tuned:cold baseline-gpu:hot; do
+    stem=${pair%%:*} lane=${pair##*:}
+    timeout 120 "$PY" -m app.tools.kv_budget --serve-config "serve_configs/$stem.yaml" --lane "$lane" \
+      >"$dir/kv-$stem-$lane.txt" 2>&1
+    timeout 120 "$PY" -m app.tools.kv_budget --serve-config "serve_configs/$stem.yaml" --lane "$lane" --json \
+      >"$dir/kv-$stem-$lane.json" 2>/dev/null
+    kv_rcs+="\"$stem-$lane\": $?, "
+  done
+  printf '{"preflight_rc": %s, "kv_budget_rc": {%s}}\n' "$rc" "${kv_rcs%, }" >"$dir/summary.json"
+  log "preflight: done (preflight rc=$rc; kv_budget rc: ${kv_rcs%, })"
+}
+
+validate_config() {
+  "$PY" - "$1" <<'EOF'
+import sys, yaml
+from app.config import load_app_config
+cfg = load_app_config(yaml.safe_load(open(sys.argv[1]))["applications"][0]["args"])
+print(f"{sys.argv[1]}: valid; lanes {cfg.lane_names if hasattr(cfg, 'lane_names') else '?'}")
+EOF
+}
+
+# ---- one serving phase --------------------------------------------------------------------------------------------
+
+start_mps() {
+  have nvidia-cuda-mps-control || return 1
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || return 1
+  MPS_STARTED=1
+}
+
+stop_mps() {
+  [ "$MPS_STARTED" = 1 ] || return 0
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+  MPS_STARTED=0
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+stop_samplers() {
+  local pid
+  for pid in $GPU_SAMPLER_PID $STATS_SAMPLER_PID; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
+  GPU_SAMPLER_PID="" STATS_SAMPLER_PID=""
+}
+
+# serve shutdown, then the `serve run` process group (TERM, KILL), then `ray stop --force`, then wait until
+# the GPU memory is released so the next config starts on an empty GPU.
+stop_app() {
+  local dir=$1
+  stop_samplers
+  if [ -n "$SERVE_PID" ]; then
+    timeout 90 serve shutdown -y >>"$dir/shutdown.log" 2>&1
+    # No SIGINT: a background job of a non-interactive shell starts with SIGINT ignored.
+    for sig in TERM KILL; do
+      running "$SERVE_PID" || break
+      kill -s "$sig" -- "-$SERVE_PID" 2>/dev/null
+      for _ in $(seq 1 10); do running "$SERVE_PID" || break; sleep 1; done
+    done
+    wait "$SERVE_PID" 2>/dev/null
+    SERVE_PID=""
+  fi
+  timeout 90 ray stop --force >>"$dir/shutdown.log" 2>&1
+  release_gpu "$dir" 60
+  stop_mps
+}
+
+gpu_busy() { [ "$(gpu_used_mib || echo 0)" -gt "$GPU_IDLE_MIB" ] 2>/dev/null; }
+
+release_gpu() {  # release_gpu DIR [WAIT_S]: wait for the GPU memory to be freed, then kill what still holds it
+  local waited=0 pid
+  while gpu_busy && [ "$waited" -lt "${2:-0}" ]; do sleep 2; waited=$((waited + 2)); done
+  gpu_busy || return 0
+  # Engine-core processes that outlived their Ray workers: on this machine, all were started by this campaign.
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    log "killing leftover GPU process $pid"; kill -9 "$pid" 2>/dev/null
+  done
+  sleep 3
+}
+
+keep_tail() {  # keep_tail FILE BYTES: a log cut to its first MiB and last BYTES (the tarball has a size limit)
+  local f=$1 max=$2
+  [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt "$max" ] || return 0
+  { head -c 1048576 "$f"; printf '\n[... cut by gpu_campaign.sh ...]\n'; tail -c "$max" "$f"; } >"$f.cut" && mv "$f.cut" "$f"
+}
+
+collect_ray_logs() {
+  local dir=$1 logs=/tmp/ray/session_latest/logs f
+  [ -d "$logs" ] || return 0
+  mkdir -p "$dir/raylogs"
+  for f in "$logs"/serve/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" >"$dir/raylogs/$(basename "$f")"; done
+  grep -l -E 'Traceback|Error' "$logs"/*.err 2>/dev/null | head -20 | while read -r f; do
+    tail -c 200000 "$f" >"$dir/raylogs/$(basename "$f")"
+  done
+}
+
+write_phase_json() {  # write_phase_json DIR LABEL CONFIG STATUS MPS key=value...
+  local dir=$1 label=$2 config=$3 status=$4 mps=$5; shift 5
+  local timings="" kv
+  for kv in "$@"; do timings+="\"${kv%%=*}\": $(jnum "${kv#*=}"), "; done
+  printf '{"label": "%s", "config": "%s", "status": "%s", "mps": %s, "started_at": "%s", "timings": {%s}}\n' \
+    "$label" "$config" "$status" "$mps" "$(date -u -d "@$PHASE_T0" +%FT%TZ)" "${timings%, }" >"$dir/phase.json"
+}
+
+run_serving_phase() {
+  local phase=$1 label config dir mps=false t status="ok" ray_s="" ready_s="" scenario_s="" shutdown_s="" sc budget
+  label=$(label_for "$phase"); config=$(config_for "$phase")
+  dir=$CAMPAIGN_DIR/$label
+  PHASE_T0=$(date +%s)
+  rm -rf "$dir"; mkdir -p "$dir"
+  log "[$label] config $config"
+  if [ ! -f "$config" ]; then
+    write_phase_json "$dir" "$label" "$config" "config_missing" false; log "[$label] no such config"; return 1
+  fi
+  cp "$config" "$dir/serve-config.yaml"
+  if ! validate_config "$config" >"$dir/config-check.txt" 2>&1; then
+    write_phase_json "$dir" "$label" "$config" "config_invalid" false
+    log "[$label] config does not validate against app/config.py: $(tail -3 "$dir/config-check.txt" | tr '\n' ' ')"
+    return 1
+  fi
+  ensure_model || { write_phase_json "$dir" "$label" "$config" "model_failed" false; return 1; }
+  if [ "$phase" = lanes-tuned-mps ]; then
+    if start_mps; then mps=true; log "[$label] MPS daemon started"; else
+      write_phase_json "$dir" "$label" "$config" "mps_unavailable" false; log "[$label] no MPS: skipped"; return 1
+    fi
+  fi
+
+  # A call cut off at its time limit can leave Ray (started in its own sessions) and engines behind.
+  timeout 60 ray stop --force >"$dir/ray-start.log" 2>&1
+  release_gpu "$dir"
+  t=$(date +%s)
+  timeout 120 ray start --head --num-gpus 1 --disable-usage-stats --dashboard-host 127.0.0.1 >>"$dir/ray-start.log" 2>&1 \
+    || { status="ray_start_failed"; log "[$label] ray start failed: $(tail -3 "$dir/ray-start.log" | tr '\n' ' ')"; }
+  ray_s=$(( $(date +%s) - t ))
+  if [ "$status" = ok ]; then
+    t=$(date +%s)
+    # Its own session and process group, so stop_app can signal the whole tree. `--address auto`: join the cluster
+    # just started (with this environment), never quietly start another one.
+    setsid serve run --address auto "$config" >"$dir/serve.log" 2>&1 &
+    SERVE_PID=$!
+    budget=$(( $(remaining_s) - 120 ))
+    [ "$budget" -gt "$READY_TIMEOUT_S" ] && budget=$READY_TIMEOUT_S
+    log "[$label] serve run started (pid $SERVE_PID); waiting up to ${budget}s for the app"
+    if "$PY" -m load_tests.gpu_campaign wait-ready --url "$URL" --model "$MODEL_NAME" --timeout "$budget" \
+         --pid "$SERVE_PID" --out "$dir/ready.json" >>"$LOG" 2>&1; then
+      ready_s=$(( $(date +%s) - t ))
+      log "[$label] ready after ${ready_s}s"
+      nvidia-smi >"$dir/nvidia-smi-ready.txt" 2>&1
+      "$PY" -m load_tests.gpu_campaign smoke --url "$URL" --model "$MODEL_NAME" --out "$dir/smoke.json" \
+        >"$dir/smoke.txt" 2>&1 || log "[$label] smoke request failed (see smoke.json)"
+      log "[$label] smoke: $(head -c 400 "$dir/smoke.txt")"
+      nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm \
+        --format=csv,noheader,nounits -lms 1000 >"$dir/gpu.csv" 2>/dev/null &
+      GPU_SAMPLER_PID=$!
+      "$PY" -m load_tests.gpu_campaign sample-stats --url "$URL" --out "$dir/stats.jsonl" --interval 2 \
+        >/dev/null 2>&1 &
+      STATS_SAMPLER_PID=$!
+      t=$(date +%s)
+      for sc in $SCENARIOS; do
+        budget=$(( $(remaining_s) - 60 ))
+        if [ "$budget" -lt 90 ]; then log "[$label] no time left for scenario $sc"; status="partial"; break; fi
+        log "[$label] scenario $sc (at most ${budget}s)"
+        timeout "$budget" "$PY" -m load_tests.run --scenario "$SCENARIO_DIR/$sc.yaml" --url "$URL" --label "$label" \
+          --out "$dir/$sc" --no-progress >"$dir/$sc.log" 2>&1 \
+          || { log "[$label] scenario $sc exited $? (see $sc.log)"; status="partial"; }
+      done
+      scenario_s=$(( $(date +%s) - t ))
+      nvidia-smi >"$dir/nvidia-smi-after.txt" 2>&1
+      "$PY" -m load_tests.gpu_campaign stats --url "$URL" --out "$dir/stats-final.json" >/dev/null 2>&1
+    else
+      status="not_ready"
+      log "[$label] app not ready: $(tail -c 600 "$dir/ready.json" 2>/dev/null)"
+    fi
+  fi
+  collect_ray_logs "$dir"
+  t=$(date +%s)
+  stop_app "$dir"
+  shutdown_s=$(( $(date +%s) - t ))
+  keep_tail "$dir/serve.log" 6000000
+  write_phase_json "$dir" "$label" "$config" "$status" "$mps" "ray_start_s=$ray_s" "ready_s=$ready_s" \
+    "scenario_s=$scenario_s" "shutdown_s=$shutdown_s" "phase_s=$(( $(date +%s) - PHASE_T0 ))"
+  log "[$label] $status: ray ${ray_s}s, ready ${ready_s:-–}s, scenarios ${scenario_s:-–}s, shutdown ${shutdown_s}s"
+  [ "$status" = ok ]
+}
+
+# ---- results into $OUT ------------------------------------------------------------------------------------------
+
+finalize_out() {
+  local base parent size
+  log "summary -> $OUT_DIR"
+  printf '%s\n' "${DEFERRED[@]}" >"$CAMPAIGN_DIR/deferred.txt"
+  [ ${#DEFERRED[@]} -gt 0 ] || rm -f "$CAMPAIGN_DIR/deferred.txt"
+  timeout 120 "$PY" -m load_tests.gpu_campaign summary --campaign "$CAMPAIGN_DIR" --out "$CAMPAIGN_DIR/combined" \
+    >>"$LOG" 2>&1 || log "summary failed (see campaign.log)"
+  mkdir -p "$OUT_DIR"
+  cp -f "$CAMPAIGN_DIR/combined/summary.md" "$CAMPAIGN_DIR/combined/summary.json" "$OUT_DIR/" 2>/dev/null
+  for f in report.md latency_cdf.png throughput.png; do
+    cp -f "$CAMPAIGN_DIR/combined/gpu_mixed/$f" "$OUT_DIR/$f" 2>/dev/null
+  done
+  base=$(basename "$CAMPAIGN_DIR"); parent=$(dirname "$CAMPAIGN_DIR")
+  tar -czf "$OUT_DIR/campaign.tar.gz.part" -C "$parent" --exclude="$base/out" "$base" 2>/dev/null
+  size=$(stat -c %s "$OUT_DIR/campaign.tar.gz.part" 2>/dev/null || echo 0)
+  if [ "$size" -gt 15000000 ]; then  # $OUT files come back only up to 16 MiB each
+    tar -czf "$OUT_DIR/campaign.tar.gz.part" -C "$parent" --exclude="$base/out" --exclude='*/raylogs' \
+      --exclude='*.log' --exclude="$base/combined/*/report.json" "$base" 2>/dev/null
+  fi
+  mv -f "$OUT_DIR/campaign.tar.gz.part" "$OUT_DIR/campaign.tar.gz"
+  cp -f "$LOG" "$OUT_DIR/campaign.log"
+}
+
+on_exit() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [ -n "$SERVE_PID" ] || [ -n "$GPU_SAMPLER_PID" ] || [ -n "$STATS_SAMPLER_PID" ]; then
+    log "cleaning up after an interruption"; stop_app "$CAMPAIGN_DIR"
+  fi
+  stop_mps
+  finalize_out
+  exit "$rc"
+}
+
+# ---- main -------------------------------------------------------------------------------------------------------
+
+[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
+for phase in "$@"; do
+  case "$phase" in preflight|summary) ;; *) config_for "$phase" >/dev/null || { echo "unknown phase: $phase" >&2; exit 2; } ;; esac
+done
+if ! payload_ready; then
+  echo "vllm/ray are not installed here (a fresh machine?): run the three payload calls first, then" \
+       "'source /tmp/site.env'" | tee -a "$LOG" >&2
+  exit 42
+fi
+trap on_exit EXIT
+trap 'exit 130' INT TERM
+log "campaign: phases $* (budget ${CALL_BUDGET_S}s from call start, $(remaining_s)s left)"
+failed=0
+for phase in "$@"; do
+  case "$phase" in
+    summary) ;;
+    preflight) phase_preflight ;;
+    *)
+      if [ ${#DEFERRED[@]} -gt 0 ] || [ "$(remaining_s)" -lt $(( PHASE_EST_S + FINALIZE_RESERVE_S )) ]; then
+        DEFERRED+=("$phase"); log "[$phase] deferred: $(remaining_s)s left, a phase needs ~${PHASE_EST_S}s"
+        continue
+      fi
+      run_serving_phase "$phase" || failed=1
+      finalize_out  # what is done so far comes back even if a later phase runs into the call's time limit
+      ;;
+  esac
+done
+if [ ${#DEFERRED[@]} -gt 0 ]; then
+  log "DEFERRED to the next call: ${DEFERRED[*]}"
+  exit 3
+fi
+exit "$failed"
