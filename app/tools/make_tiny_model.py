@@ -120,17 +120,28 @@ def build_model(out_dir: Path) -> int:
 
 
 def make_shaped_model(out_dir: Path, shape: str) -> None:
-    """config.json of a real architecture + the tiny tokenizer padded to its vocabulary (ids beyond the trained
-    vocabulary decode as reserved special tokens, so every id the random weights produce is decodable)."""
+    """config.json of a real architecture + the tiny tokenizer padded to its vocabulary.
+
+    The padding goes into the BPE model's own vocabulary as plain tokens `<|reserved_N|>` (printable ASCII, which
+    byte-level BPE maps to itself), so every id that random weights produce decodes to visible text. Padding with
+    126k *added* tokens instead made the tokenizer take minutes to load (measured on the H200 host, 2026-12-02).
+    """
     from transformers import AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
     config = dict(SHAPES[shape])
-    padding = [f"<|reserved_{i}|>" for i in range(config["vocab_size"] - len(tokenizer))]
-    tokenizer.add_special_tokens({"additional_special_tokens": padding})
-    tokenizer.save_pretrained(out_dir)
+    tokenizer_file = out_dir / "tokenizer.json"
+    document = json.loads(tokenizer_file.read_text())
+    vocab = document["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in document.get("added_tokens", [])}
+    for token_id in range(config["vocab_size"]):
+        if token_id not in taken:
+            vocab[f"<|reserved_{token_id}|>"] = token_id
+    tokenizer_file.write_text(json.dumps(document, ensure_ascii=False))
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    if len(tokenizer) != config["vocab_size"]:
+        raise RuntimeError(f"padded tokenizer has {len(tokenizer)} ids, expected {config['vocab_size']}")
     config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
