@@ -75,7 +75,24 @@ class VllmEngine:
             # Read by vLLM's CPU worker when it starts; each lane pins its own cores.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpu_threads_bind
         engine_args = AsyncEngineArgs(**engine_args_dict(self.cfg, self.settings))
-        self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stat_logger_factory()])
+        self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=self.stat_logger_factories())
+
+    def stat_logger_factories(self) -> list:
+        """Our per-engine LatestSchedulerStats, plus vLLM's RayPrometheusStatLogger (ray_vllm_* on Ray's metrics
+        port) when observability.vllm_metrics is on.
+
+        vLLM 0.32's StatLoggerManager takes both kinds in one list: a class that subclasses AggregateStatLoggerBase
+        (RayPrometheusStatLogger, via PrometheusStatLogger) is built once for all engine indexes, anything else is
+        called per engine as factory(vllm_config, engine_index) (our class). Passing a PrometheusStatLogger subclass
+        also stops vLLM from adding its default prometheus_client logger. Custom loggers force stats on in AsyncLLM
+        even with disable_log_stats, so neither logger is silently dropped.
+        """
+        factories: list = [self._stat_logger_factory()]
+        if self.cfg.observability.vllm_metrics:
+            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+            factories.append(RayPrometheusStatLogger)
+        return factories
 
     def _stat_logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase

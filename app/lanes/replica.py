@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
 from app.config import AppConfig, load_app_config
-from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated
+from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
+from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
 from app.prefix_cache.index import block_hashes
 from app.router.admission import Decision, PriorityGate, kv_headroom_decision
 from app.router.classes import RequestClass
@@ -22,6 +24,87 @@ logger = logging.getLogger(__name__)
 
 # How often a request held back for KV headroom re-reads the engine's usage.
 KV_HEADROOM_POLL_S = 0.02
+# How often a lane replica publishes its engine's KV usage and prefix-cache hit rate as gauges.
+ENGINE_METRICS_INTERVAL_S = 2.0
+# The prefix-cache hit-rate gauge covers about this much recent traffic.
+HIT_RATE_WINDOW_S = 60.0
+
+
+class PrefixHitRateWindow:
+    """Prefix-cache hit rate over the recent window, from the engine's cumulative (queries, hits) token counters.
+
+    Readings may come at any cadence (the periodic publisher and stats() calls); the rate is taken between the
+    newest reading and the newest one at least `window_s` older (or the oldest kept). Counters that go down mean
+    the engine reset them: the window starts again from zero.
+    """
+
+    def __init__(self, window_s: float = HIT_RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._readings: deque[tuple[float, int, int]] = deque()
+
+    def update(self, queries: int, hits: int) -> float | None:
+        """Add a reading; the hit rate over the window, or None when the window saw no queries."""
+        now = self.clock()
+        if self._readings and (queries < self._readings[-1][1] or hits < self._readings[-1][2]):
+            self._readings.clear()
+        self._readings.append((now, queries, hits))
+        # Keep one reading at or beyond the window's start as its baseline.
+        while len(self._readings) > 2 and now - self._readings[1][0] >= self.window_s:
+            self._readings.popleft()
+        if len(self._readings) == 1:
+            window_queries, window_hits = queries, hits  # first reading: everything since the (re)start
+        else:
+            _, base_queries, base_hits = self._readings[0]
+            window_queries, window_hits = queries - base_queries, hits - base_hits
+        return window_hits / window_queries if window_queries > 0 else None
+
+
+class LaneTrace:
+    """The lane_generate span of one request, child of the Router's trace (LaneRequest.trace_carrier), and its
+    phases: engine_queue (arrival here -> handed to the engine, i.e. the realtime gate and KV-headroom waits),
+    prefill (-> first chunk) and decode (first chunk -> last). A non-streamed request gets one chunk at the end,
+    so only engine_queue is recorded for it: its prefill/decode split is not observable here."""
+
+    def __init__(self, tracing: Tracing, request: LaneRequest, lane: str, replica_id: str):
+        self.tracing = tracing
+        self.streamed = request.stream
+        self.arrival_ns = time.time_ns()
+        self.engine_ns: int | None = None
+        self.first_chunk_ns: int | None = None
+        self.span = tracing.start_span(
+            SPAN_LANE_GENERATE, context=tracing.extract(request.trace_carrier), start_time_ns=self.arrival_ns,
+            attributes={"llm_lanes.lane": lane, "llm_lanes.replica_id": replica_id,
+                        "llm_lanes.request_id": request.request_id, "llm_lanes.request_class": request.request_class,
+                        "llm_lanes.prompt_tokens": len(request.prompt_token_ids), "llm_lanes.streamed": request.stream})
+
+    def entered_engine(self) -> None:
+        self.engine_ns = time.time_ns()
+
+    def chunk(self, chunk: LaneChunk) -> None:
+        if self.first_chunk_ns is None:
+            self.first_chunk_ns = time.time_ns()
+        if chunk.finish_reason is not None:
+            self.span.set_attributes({"llm_lanes.completion_tokens": chunk.completion_tokens,
+                                      "llm_lanes.cached_prompt_tokens": chunk.cached_prompt_tokens,
+                                      "llm_lanes.finish_reason": chunk.finish_reason})
+
+    def end(self, error: BaseException | None = None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        finished_ns = time.time_ns()
+        self.tracing.record_engine_phases(
+            arrival_ns=self.arrival_ns, scheduled_ns=self.engine_ns,
+            first_token_ns=self.first_chunk_ns if self.streamed else None, finished_ns=finished_ns,
+            context=Tracing.context_with(self.span))
+        if isinstance(error, LaneSaturated):
+            self.span.set_attribute("llm_lanes.spilled", error.reason)
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            self.span.set_attribute("llm_lanes.cancelled", True)
+        elif error is not None:
+            self.span.record_exception(error)
+            self.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        self.span.end(end_time=finished_ns)
 
 
 def vllm_engine_factory(cfg: AppConfig, lane: str, replica_id: str):
@@ -41,6 +124,14 @@ class LaneReplica:
         self.block_size = self.cfg.lane(self.lane).engine.block_size
         self.engine = (engine_factory or vllm_engine_factory)(self.cfg, self.lane, self.replica_id)
         await self.engine.start()
+        from app.observability.metrics import LlmLanesMetrics
+        from app.observability.tracing import setup_tracing
+
+        # Built in the replica: Serve's metrics take the replica's tags (replica, deployment) when created.
+        self.metrics = LlmLanesMetrics()
+        self.tracing = setup_tracing(self.cfg.observability.tracing.model_dump(),
+                                     component=f"{self.lane.capitalize()}Lane")
+        self._hit_rate = PrefixHitRateWindow()
         self.prefix_cache = prefix_cache
         admission = self.cfg.admission
         # Hot replicas keep the tuning guide's small high-priority queue (realtime <= 4 in flight) and KV reserve.
@@ -51,19 +142,34 @@ class LaneReplica:
         self.held_for_kv = 0
         # High-water marks: lets an operator (and a test) see the realtime cap hold under load.
         self.max_inflight_by_class: Counter[str] = Counter()
+        self.gate_waits_by_class: Counter[str] = Counter()
         self._background: set[asyncio.Task] = set()
+        self._metrics_task = asyncio.create_task(self._publish_engine_metrics_forever())
 
     async def generate(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
-        if self.gate is None:
-            async for chunk in self._run(request):
-                yield chunk
-            return
-        request_class = RequestClass(request.request_class)
-        await self._wait_for_kv_headroom(request, request_class)
-        # Realtime beyond its in-flight cap waits here, in front of the engine, not inside it.
-        async with self.gate.slot(request_class, request.priority):
-            async for chunk in self._run(request):
-                yield chunk
+        # Tracing off: no LaneTrace, and each step below pays one `is None` test.
+        trace = LaneTrace(self.tracing, request, self.lane, self.replica_id) if self.tracing.enabled else None
+        error: BaseException | None = None
+        try:
+            if self.gate is None:
+                async for chunk in self._run(request, trace):
+                    yield chunk
+                return
+            request_class = RequestClass(request.request_class)
+            await self._wait_for_kv_headroom(request, request_class)
+            # Realtime beyond its in-flight cap waits here, in front of the engine, not inside it.
+            waited = self.gate.waiting(request_class) > 0 or not self.gate.has_room(request_class)
+            async with self.gate.slot(request_class, request.priority):
+                if waited:
+                    self.gate_waits_by_class[request.request_class] += 1
+                async for chunk in self._run(request, trace):
+                    yield chunk
+        except BaseException as caught:
+            error = caught
+            raise
+        finally:
+            if trace is not None:
+                trace.end(error)
 
     async def _wait_for_kv_headroom(self, request: LaneRequest, request_class: RequestClass) -> None:
         reserve = self.cfg.admission.realtime_kv_reserve
@@ -80,7 +186,9 @@ class LaneReplica:
                 self.held_for_kv += 1
             await asyncio.sleep(KV_HEADROOM_POLL_S)
 
-    async def _run(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
+    async def _run(self, request: LaneRequest, trace: LaneTrace | None = None) -> AsyncIterator[LaneChunk]:
+        if trace is not None:
+            trace.entered_engine()
         self.inflight_by_class[request.request_class] += 1
         self.max_inflight_by_class[request.request_class] = max(
             self.max_inflight_by_class[request.request_class], self.inflight_by_class[request.request_class])
@@ -89,6 +197,8 @@ class LaneReplica:
             async for chunk in self.engine.generate(request):
                 if chunk.finish_reason is not None:
                     finished = True
+                if trace is not None:
+                    trace.chunk(chunk)
                 yield chunk
             self.served_by_class[request.request_class] += 1
             self._record_prefix(request.prompt_token_ids)
@@ -118,8 +228,23 @@ class LaneReplica:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    def _publish_engine_metrics(self, engine_stats: EngineStats) -> None:
+        self.metrics.set_kv_cache_usage(engine_stats.kv_cache_usage, lane=self.lane)
+        rate = self._hit_rate.update(engine_stats.prefix_cache_queries, engine_stats.prefix_cache_hits)
+        if rate is not None:
+            self.metrics.set_prefix_cache_hit_rate(rate, lane=self.lane)
+
+    async def _publish_engine_metrics_forever(self) -> None:
+        while True:
+            try:
+                self._publish_engine_metrics(self.engine.stats())
+            except Exception as error:  # metrics must never take the replica down
+                logger.warning("could not publish engine metrics: %s", error)
+            await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
+
     async def stats(self) -> dict[str, Any]:
         engine_stats = self.engine.stats()
+        self._publish_engine_metrics(engine_stats)
         return {
             "lane": self.lane,
             "replica_id": self.replica_id,
@@ -130,9 +255,16 @@ class LaneReplica:
             "gate_waiting_by_class": {c.value: self.gate.waiting(c) for c in RequestClass} if self.gate else {},
             "max_inflight_by_class": dict(self.max_inflight_by_class),
             "held_for_kv_headroom": self.held_for_kv,
+            "gate_waits_by_class": dict(self.gate_waits_by_class),
         }
 
     def __del__(self):
+        task = getattr(self, "_metrics_task", None)
+        if task is not None:
+            task.cancel()
+        tracing = getattr(self, "tracing", None)
+        if tracing is not None:
+            tracing.shutdown()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

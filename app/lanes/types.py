@@ -24,6 +24,8 @@ class LaneRequest:
     priority: int
     # False: the caller wants only the final answer, so the engine sends one chunk (no per-token objects).
     stream: bool = True
+    # The client's own deadline (X-Request-Timeout header), if shorter than its class's.
+    client_timeout_s: float | None = None
     # A hot replica without KV headroom may hand this request back for the cold lane instead of holding it.
     may_spill: bool = False
     # W3C trace context of the caller, so the lane's spans join the request's trace.

@@ -32,6 +32,9 @@ out_dir="$proto_root/llm_lanes/v1"
 
 sed -i -E 's/^from llm_lanes\.v1 import /from app.proto.llm_lanes.v1 import /' \
   "$out_dir/llm_lanes_pb2_grpc.py"
+# The message classes' __module__ must be their real import path: Ray pickles the request message by reference
+# when the gRPC proxy hands it to the Router replica.
+sed -i -E "s/'llm_lanes\.v1\.llm_lanes_pb2'/'app.proto.llm_lanes.v1.llm_lanes_pb2'/" "$out_dir/llm_lanes_pb2.py"
 
 # Fail loudly if the rewrite missed something (e.g. a new protoc import style).
 if grep -nE '^(from|import) llm_lanes' "$out_dir"/llm_lanes_pb2*.py; then

@@ -116,6 +116,10 @@ class PriorityGate:
     def waiting(self, request_class: RequestClass | None = None) -> int:
         return sum(1 for w in self._waiters if request_class is None or w.request_class is request_class)
 
+    def has_room(self, request_class: RequestClass) -> bool:
+        """Would a request of this class be granted a slot right now?"""
+        return self._has_room(request_class)
+
     def _has_room(self, request_class: RequestClass) -> bool:
         if self._total_limit is not None and self.inflight() >= self._total_limit:
             return False

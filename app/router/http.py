@@ -7,13 +7,15 @@ stream the lane's answer back. Decisions live in plain modules (classes.py, open
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from dataclasses import replace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import grpc
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +27,18 @@ from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
 from app.config import load_app_config
 from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated, SamplingOptions
+from app.observability.metrics import LANE_NONE, tpot_seconds
+from app.observability.tracing import (
+    SPAN_ADMIT,
+    SPAN_CLASSIFY,
+    SPAN_QUEUE_WAIT,
+    SPAN_REQUEST,
+    SPAN_ROUTE,
+    Tracing,
+    carrier_from_grpc_metadata,
+)
+from app.proto import convert
+from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
 from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
 from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
@@ -74,8 +88,162 @@ class CreateBatchRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+# A client may ask for a shorter deadline than its class's (never a longer one), in seconds.
+REQUEST_TIMEOUT_HEADER = "x-request-timeout"
+
+
+def _client_timeout(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise api.OpenAIError(400, f"X-Request-Timeout header {value!r} is not a positive number of seconds",
+                              param="X-Request-Timeout", code="invalid_timeout")
+    return seconds
+
+
+# 503 codes that mean "the lane is down for now", not "this request is bad".
+LANE_DOWN_CODES = {"lane_unavailable", "lanes_saturated", "cold_breaker_open", "hot_breaker_open"}
+BATCH_LANE_DOWN_RETRY_S = 1.0
+BATCH_LANE_DOWN_MAX_WAIT_S = 600.0
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# nginx's "client closed request": the outcome of a request whose client went away before it finished.
+CLIENT_CLOSED_STATUS = 499
+# request_class label of a request refused before it could be classified (e.g. an unknown X-Request-Class).
+UNKNOWN_CLASS = "unknown"
+# How often each Router replica publishes the batch backlog and its admission queue depths.
+BACKLOG_METRICS_INTERVAL_S = 5.0
+# grpc.health.v1 Watch: how often the serving status is re-checked for a change.
+HEALTH_WATCH_INTERVAL_S = 1.0
+# grpc.health.v1 service names the Router answers for ("" is the server as a whole).
+HEALTH_SERVICES = ("", "llm_lanes.v1.LlmLanes")
+# A shared do-nothing context manager: the span helpers' answer when tracing is off (nothing allocated).
+_NO_SPAN = contextlib.nullcontext()
+
+
+def outcome_for_status(status: int) -> str:
+    """The llm_lanes_requests_total outcome of a request that ended with this HTTP status."""
+    if status < 400:
+        return "success"
+    if status == 429:
+        return "rejected"
+    if status in (408, 504):
+        return "timeout"
+    if status == CLIENT_CLOSED_STATUS:
+        return "cancelled"
+    return "error"
+
+
+def reason_label(reason: str) -> str:
+    """A bounded metric label from a decision reason: "queue_full (12 >= 24)" -> "queue_full"."""
+    return reason.split(" (", 1)[0]
+
+
+class RequestRecord:
+    """One request's metrics and trace at the Router, from arrival to its single outcome.
+
+    Metrics: router decision time, TTFT / queue wait at the first chunk (streamed requests only: a non-streamed
+    answer arrives whole, so its first chunk is its last), E2E, TPOT and output tokens at the end, and exactly one
+    requests_total sample whatever path the request ends on (success, error, 429, deadline, client gone).
+    Tracing: the `request` SERVER span (continuing the caller's traceparent) and its children; with tracing off no
+    span exists and span_for() hands back a shared no-op context.
+    """
+
+    def __init__(self, metrics, tracing: Tracing, carrier: Mapping[str, str] | None, kind: str,
+                 clock=time.monotonic):
+        self.metrics = metrics
+        self.tracing = tracing
+        self.clock = clock
+        self.arrived_at = clock()
+        self.request_class: RequestClass | str | None = None
+        self.lane: str = LANE_NONE
+        self.ttft_s: float | None = None
+        self.finished = False
+        self._admitted_at: float | None = None
+        self._queue_span = None
+        self.span = None
+        self.context = None
+        if tracing.enabled:
+            from opentelemetry.trace import SpanKind
+
+            self.span = tracing.start_span(SPAN_REQUEST, context=tracing.extract(carrier), kind=SpanKind.SERVER,
+                                           attributes={"llm_lanes.kind": kind})
+            self.context = Tracing.context_with(self.span)
+
+    def span_for(self, name: str):
+        """A child span of `request` for a synchronous block (classify, admit, route)."""
+        return self.tracing.span(name, context=self.context) if self.span is not None else _NO_SPAN
+
+    def carrier(self) -> dict[str, str]:
+        """The trace context for the lane (LaneRequest.trace_carrier): its lane_generate span joins this trace."""
+        return self.tracing.inject(self.context) if self.span is not None else {}
+
+    def admitted(self, request_class: RequestClass) -> None:
+        self.request_class = request_class
+        self._admitted_at = self.clock()
+        if self.span is not None:
+            self._queue_span = self.tracing.start_span(SPAN_QUEUE_WAIT, context=self.context)
+
+    def decided(self) -> None:
+        """Classified, admitted and routed: everything the Router does before the lane call."""
+        self.metrics.observe_router_decision(self.clock() - self.arrived_at, request_class=self.request_class)
+
+    def first_chunk(self, streamed: bool) -> None:
+        now = self.clock()
+        self._end_queue_wait()
+        if not streamed:
+            return
+        self.ttft_s = now - self.arrived_at
+        self.metrics.observe_ttft(self.ttft_s, lane=self.lane, request_class=self.request_class)
+        if self._admitted_at is not None:
+            self.metrics.observe_queue_wait(now - self._admitted_at, request_class=self.request_class)
+
+    def succeeded(self, output_tokens: int) -> None:
+        if self.finished:
+            return
+        e2e = self.clock() - self.arrived_at
+        self.metrics.observe_e2e(e2e, lane=self.lane, request_class=self.request_class)
+        tpot = tpot_seconds(e2e, self.ttft_s, output_tokens) if self.ttft_s is not None else None
+        if tpot is not None:
+            self.metrics.observe_tpot(tpot, lane=self.lane, request_class=self.request_class)
+        self._finish(200, output_tokens)
+
+    def failed(self, status: int, output_tokens: int = 0) -> None:
+        self._finish(status, output_tokens)
+
+    def _finish(self, status: int, output_tokens: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._end_queue_wait()
+        request_class = self.request_class or UNKNOWN_CLASS
+        self.metrics.count_output_tokens(output_tokens, lane=self.lane, request_class=request_class)
+        self.metrics.count_request(lane=self.lane, request_class=request_class, outcome=outcome_for_status(status),
+                                   status=status)
+        if self.span is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_attributes({"llm_lanes.lane": self.lane,
+                                      "llm_lanes.request_class": str(getattr(request_class, "value", request_class)),
+                                      "llm_lanes.outcome": outcome_for_status(status),
+                                      "http.response.status_code": status,
+                                      "llm_lanes.output_tokens": output_tokens})
+            if status >= 500:
+                self.span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            self.span.end()
+
+    def _end_queue_wait(self) -> None:
+        if self._queue_span is not None:
+            self._queue_span.end()
+            self._queue_span = None
 
 
 class Generation:
@@ -85,7 +253,7 @@ class Generation:
     """
 
     def __init__(self, router: "Router", lane_request: LaneRequest, request_class: RequestClass, route: RouteDecision,
-                 timeout_s: float):
+                 timeout_s: float, record: RequestRecord | None = None):
         self.router = router
         self.request_class = request_class
         self.route = route
@@ -101,6 +269,11 @@ class Generation:
         self.last: LaneChunk | None = None
         self._first: LaneChunk | None = None
         self._done = False
+        self.record = record if record is not None else RequestRecord(router.metrics, router.tracing, None, "internal")
+        self.record.request_class = request_class
+        self.record.lane = self.lane.value
+        for reason in self.reasons:
+            router.metrics.count_degrade(reason=reason_label(reason), request_class=request_class)
 
     def headers(self) -> dict[str, str]:
         headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
@@ -123,17 +296,21 @@ class Generation:
             control.hot_refused_for_kv()
             control.finished(self.request_class, self.lane, Outcome(ok=True), None)
             self.lane = Lane.COLD
+            self.record.lane = self.lane.value
             self.reasons.append(REASON_KV_HEADROOM)
+            self.router.metrics.count_degrade(reason=REASON_KV_HEADROOM, request_class=self.request_class)
             self.lane_request = replace(self.lane_request, may_spill=False)
             if not control.allow(self.lane):
                 raise api.OpenAIError(503, "both lanes are saturated or failing; retry shortly", type="server_error",
                                       code="lanes_saturated", headers={"Retry-After": "1"}) from None
             self._first = await self._open_stream()
         self.last = self._first
+        self.record.first_chunk(streamed=self.lane_request.stream)
 
     async def _open_stream(self) -> LaneChunk:
-        self.stream = self.router.lanes[self.lane.value].options(stream=True).generate.remote(self.lane_request)
         try:
+            # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
+            self.stream = self.router.lanes[self.lane.value].options(stream=True).generate.remote(self.lane_request)
             return await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining())
         except LaneSaturated:
             self.stream.cancel()
@@ -153,16 +330,25 @@ class Generation:
                     break
                 except BaseException as error:
                     self._fail(error)
-                    raise self._as_openai_error(error) from None
+                    converted = self._as_openai_error(error)
+                    self.record.failed(converted.status if isinstance(converted, api.OpenAIError)
+                                       else CLIENT_CLOSED_STATUS, self._output_tokens())
+                    raise converted from None
                 self.last = chunk
                 yield chunk
             self._finish(ok=True)
+            self.record.succeeded(self._output_tokens())
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
             self.stream.cancel()
             if not self._done:
                 self._done = True
                 self.router.control.finished(self.request_class, self.lane, Outcome(ok=True), None)
+            if not self.record.finished:
+                self.record.failed(CLIENT_CLOSED_STATUS, self._output_tokens())
+
+    def _output_tokens(self) -> int:
+        return self.last.completion_tokens if self.last is not None else 0
 
     def _finish(self, ok: bool, timed_out: bool = False) -> None:
         if self._done:
@@ -200,8 +386,13 @@ class Router:
         from app.batch.dispatcher import BatchDispatcher
         from app.batch.store import open_batch_store
         from app.batch.window import ConcurrencyWindow
+        from app.observability.metrics import LlmLanesMetrics
+        from app.observability.tracing import setup_tracing
 
         self.cfg = load_app_config(app_args)
+        # Built here, not at import: Serve's metrics pick up the replica's tags when they are created.
+        self.metrics = LlmLanesMetrics()
+        self.tracing = setup_tracing(self.cfg.observability.tracing.model_dump(), component="Router")
         self.lanes = {"hot": hot_lane, "cold": cold_lane} if cold_lane is not None else {"hot": hot_lane}
         self.control = TrafficControl(self.cfg)
         self.prefix_cache = prefix_cache
@@ -217,6 +408,29 @@ class Router:
             lease_s=batch.lease_s, poll_interval_s=batch.poll_interval_s, max_attempts=batch.max_attempts,
         )
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
+        self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
+
+    async def _publish_backlog_metrics_forever(self) -> None:
+        """Batch backlog (read from the shared store) and this replica's admission queue depths, as gauges."""
+        while True:
+            try:
+                backlog = await asyncio.to_thread(self.batch_store.backlog_stats)
+                self.metrics.set_batch_backlog(backlog.pending_lines)
+                self._publish_queue_depths()
+            except Exception as error:  # metrics must never take the Router down
+                logger.warning("could not publish the batch backlog metric: %s", error)
+            await asyncio.sleep(BACKLOG_METRICS_INTERVAL_S)
+
+    def _publish_queue_depths(self) -> None:
+        for request_class, depth in self.control.queue_depths().items():
+            self.metrics.set_queue_depth(depth, request_class=request_class)
+
+    def _publish_queue_depth(self, request_class: RequestClass) -> None:
+        """The one class a request entered or left (per request: one gauge write, not one per class)."""
+        self.metrics.set_queue_depth(self.control.back_pressure.queued(request_class), request_class=request_class)
+
+    def _new_record(self, carrier: Mapping[str, str] | None, kind: str) -> RequestRecord:
+        return RequestRecord(self.metrics, self.tracing, carrier, kind)
 
     # ---- routes -------------------------------------------------------------------------------------------
 
@@ -325,24 +539,42 @@ class Router:
         )
         return lane_request, request_class
 
-    async def _begin(self, lane_request: LaneRequest, request_class: RequestClass) -> "Generation":
-        """Admit, route, send to a lane and wait for the first chunk. Raises OpenAIError with the right status."""
-        admitted = self.control.admit(request_class)
+    async def _begin(self, lane_request: LaneRequest, request_class: RequestClass,
+                     record: RequestRecord | None = None) -> "Generation":
+        """Admit, route, send to a lane and wait for the first chunk. Raises OpenAIError with the right status.
+
+        Failures raised from here are counted by the caller (`_start`) with the lane the record holds."""
+        record = record if record is not None else self._new_record(None, "internal")
+        record.request_class = request_class
+        with record.span_for(SPAN_ADMIT) as span:
+            admitted = self.control.admit(request_class)
+            if record.span is not None:
+                span.set_attributes({"llm_lanes.decision": admitted.decision.value,
+                                     "llm_lanes.reason": admitted.reason})
+        self.metrics.count_admission(decision="admit" if admitted.admitted else "reject",
+                                     reason=reason_label(admitted.reason), request_class=request_class)
         if not admitted.admitted:
             raise api.OpenAIError(429, f"too many {request_class.value} requests are waiting ({admitted.reason}); "
                                        f"retry in {admitted.retry_after_s} s", type="rate_limit_error",
                                   code="queue_full", headers={"Retry-After": str(admitted.retry_after_s)})
+        record.admitted(request_class)
+        self._publish_queue_depth(request_class)
         started = False
         try:
-            route = self.control.route(request_class, len(lane_request.prompt_token_ids),
-                                       lane_request.sampling.max_tokens)
-            if isinstance(route, RouteRefusal):
-                headers = {"Retry-After": str(route.retry_after_s)} if route.retry_after_s else None
-                raise api.OpenAIError(route.status, route.message, code=route.code,
-                                      param="max_tokens" if route.status == 400 else None,
-                                      type="invalid_request_error" if route.status == 400 else "server_error",
-                                      headers=headers)
-            generation = Generation(self, lane_request, request_class, route, self.control.timeout_s(request_class))
+            with record.span_for(SPAN_ROUTE):
+                route = self.control.route(request_class, len(lane_request.prompt_token_ids),
+                                           lane_request.sampling.max_tokens)
+                if isinstance(route, RouteRefusal):
+                    headers = {"Retry-After": str(route.retry_after_s)} if route.retry_after_s else None
+                    raise api.OpenAIError(route.status, route.message, code=route.code,
+                                          param="max_tokens" if route.status == 400 else None,
+                                          type="invalid_request_error" if route.status == 400 else "server_error",
+                                          headers=headers)
+                timeout_s = self.control.timeout_s(request_class)
+                if lane_request.client_timeout_s is not None:
+                    timeout_s = min(timeout_s, lane_request.client_timeout_s)
+                generation = Generation(self, lane_request, request_class, route, timeout_s, record=record)
+            record.decided()
             await generation.start()
             started = True
             self.control.started(request_class)
@@ -350,10 +582,43 @@ class Router:
         finally:
             if not started:
                 self.control.abandoned_before_start(request_class)
+            self._publish_queue_depth(request_class)
+
+    async def _start(self, body, kind: str, class_header: str | None, record: RequestRecord,
+                     client_timeout_s: float | None = None) -> tuple[LaneRequest, "Generation"]:
+        """_prepare + _begin for every entry point (HTTP, gRPC, batch lines): the request's outcome is counted here
+        when it ends before its first chunk, and the trace context travels to the lane in the LaneRequest."""
+        try:
+            with record.span_for(SPAN_CLASSIFY):
+                lane_request, request_class = self._prepare(body, kind, class_header)
+            if client_timeout_s is not None:
+                lane_request = replace(lane_request, client_timeout_s=client_timeout_s)
+            if record.span is not None:
+                lane_request = replace(lane_request, trace_carrier=record.carrier())
+            return lane_request, await self._begin(lane_request, request_class, record)
+        except api.OpenAIError as error:
+            self._count_refusal(record, body, class_header, error.status)
+            raise
+        except asyncio.CancelledError:
+            self._count_refusal(record, body, class_header, CLIENT_CLOSED_STATUS)
+            raise
+        except Exception:
+            self._count_refusal(record, body, class_header, 500)
+            raise
+
+    def _count_refusal(self, record: RequestRecord, body, class_header: str | None, status: int) -> None:
+        if record.request_class is None:
+            # Refused before classification (unknown model, empty prompt...): label it with the class it asked for.
+            try:
+                record.request_class = classify(getattr(body, "service_tier", None), class_header)
+            except UnknownRequestClass:
+                record.request_class = UNKNOWN_CLASS
+        record.failed(status)
 
     async def _serve(self, body, request: Request, kind: str):
-        lane_request, request_class = self._prepare(body, kind, request.headers.get(REQUEST_CLASS_HEADER))
-        generation = await self._begin(lane_request, request_class)
+        record = self._new_record(request.headers if self.tracing.enabled else None, kind)
+        lane_request, generation = await self._start(body, kind, request.headers.get(REQUEST_CLASS_HEADER), record,
+                                                     _client_timeout(request.headers.get(REQUEST_TIMEOUT_HEADER)))
         headers = generation.headers()
         model, request_id = self.cfg.model.served_name, lane_request.request_id
         if body.stream:
@@ -406,14 +671,224 @@ class Router:
         record = await asyncio.to_thread(self.batch_store.cancel_batch, batch_id)
         return batch_shapes.batch_object(record)
 
+    # ---- gRPC: llm_lanes.v1.LlmLanes and grpc.health.v1.Health through Serve's gRPC proxy ------------------------
+    # Serve calls the method named like the RPC, with the request proto and (by this parameter name) `grpc_context`.
+    # Each proto request becomes the OpenAI body an HTTP client would send and takes the HTTP path from there
+    # (same validation, classes, admission, limits); an error sets the status on grpc_context. Unary RPCs then
+    # return an empty reply (Serve sends the status, details and trailing metadata); streaming RPCs raise after
+    # setting it (Serve keeps the code and details, trailing metadata is lost on that path).
+
+    async def Generate(self, request: pb.CompletionRequest, grpc_context=None) -> AsyncIterator[pb.CompletionChunk]:
+        # aclosing: a client that leaves closes the whole chain at once (lane call cancelled, outcome counted).
+        async with contextlib.aclosing(self._grpc_stream("completion", request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def Complete(self, request: pb.CompletionRequest, grpc_context=None) -> pb.CompletionResponse:
+        return await self._grpc_unary("completion", request, grpc_context)
+
+    async def ChatComplete(self, request: pb.ChatCompletionRequest, grpc_context=None) -> pb.ChatCompletionResponse:
+        return await self._grpc_unary("chat", request, grpc_context)
+
+    async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,
+                                 grpc_context=None) -> AsyncIterator[pb.ChatCompletionChunk]:
+        async with contextlib.aclosing(self._grpc_stream("chat", request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def GetStats(self, request: pb.GetStatsRequest, grpc_context=None) -> pb.GetStatsResponse:
+        # Through JSON first: the Struct takes only str keys and JSON values.
+        return convert.stats_response_from_dict(json.loads(json.dumps(await self.admin_stats(), default=str)))
+
+    async def SubmitBatch(self, request: pb.SubmitBatchRequest, grpc_context=None) -> pb.Batch:
+        """POST /v1/files + POST /v1/batches in one call."""
+        try:
+            try:
+                submission = convert.submit_batch_from_proto(request)
+            except convert.InvalidProtoRequest as error:
+                raise api.OpenAIError(400, str(error), param=error.param) from None
+            limit = self.cfg.batch.max_file_bytes
+            if len(submission.input_content) > limit:
+                raise api.OpenAIError(413, f"input_content is larger than the {limit}-byte limit: split it into "
+                                           "several batches", param="input_content", code="file_too_large")
+            file = await asyncio.to_thread(self.batch_store.create_file, "batch", "grpc-batch.jsonl",
+                                           submission.input_content)
+            record = await asyncio.to_thread(self.batch_store.create_batch, file.id, submission.endpoint,
+                                             submission.completion_window, submission.metadata or None)
+            return convert.batch_from_openai(batch_shapes.batch_object(record))
+        except (api.OpenAIError, BatchStoreError) as error:
+            self._grpc_error(grpc_context, error)
+            return pb.Batch()
+
+    async def GetBatch(self, request: pb.GetBatchRequest, grpc_context=None) -> pb.GetBatchResponse:
+        try:
+            batch = batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, request.batch_id))
+            output = error_lines = b""
+            if request.include_output:
+                if batch.get("output_file_id"):
+                    output = await asyncio.to_thread(self.batch_store.file_content, batch["output_file_id"])
+                if batch.get("error_file_id"):
+                    error_lines = await asyncio.to_thread(self.batch_store.file_content, batch["error_file_id"])
+            return convert.get_batch_response(batch, output, error_lines)
+        except (api.OpenAIError, BatchStoreError) as error:
+            self._grpc_error(grpc_context, error)
+            return pb.GetBatchResponse()
+
+    def _health_status(self, service: str) -> int:
+        from grpc_health.v1 import health_pb2
+
+        if service not in HEALTH_SERVICES:
+            return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        # Serving while no lane's circuit breaker is open (every lane can take requests).
+        can_route = all(state != "open" for state in self.control.breaker_states().values())
+        return health_pb2.HealthCheckResponse.SERVING if can_route else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(self, request, grpc_context=None):
+        """grpc.health.v1.Health/Check (grpc_health_probe, Kubernetes gRPC probes)."""
+        from grpc_health.v1 import health_pb2
+
+        status = self._health_status(request.service)
+        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(self, request, grpc_context=None):
+        """grpc.health.v1.Health/List: every service this server reports on."""
+        from grpc_health.v1 import health_pb2
+
+        return health_pb2.HealthListResponse(statuses={
+            service: health_pb2.HealthCheckResponse(status=self._health_status(service)) for service in HEALTH_SERVICES
+        })
+
+    async def Watch(self, request, grpc_context=None):
+        """grpc.health.v1.Health/Watch: the status now, then each change, until the client goes away."""
+        from grpc_health.v1 import health_pb2
+
+        last = None
+        while True:
+            status = self._health_status(request.service)
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await asyncio.sleep(HEALTH_WATCH_INTERVAL_S)
+
+    def _grpc_body(self, kind: str, request, stream: bool) -> tuple[Any, str | None]:
+        """A proto request -> (the validated OpenAI body model, the class its enum asks for). Raises OpenAIError.
+        An empty `model` means the served model (proto3 cannot tell unset from empty)."""
+        to_openai = convert.chat_request_to_openai if kind == "chat" else convert.completion_request_to_openai
+        try:
+            converted = to_openai(request, stream=stream)
+        except convert.InvalidProtoRequest as error:
+            raise api.OpenAIError(400, str(error), param=error.param) from None
+        body_model = api.ChatCompletionRequest if kind == "chat" else api.CompletionRequest
+        try:
+            body = body_model.model_validate({"model": self.cfg.model.served_name, **converted.body})
+        except ValidationError as error:
+            raise api.validation_error(error.errors()) from None
+        return body, converted.request_class
+
+    def _grpc_record(self, grpc_context, kind: str) -> RequestRecord:
+        carrier = None
+        if self.tracing.enabled and grpc_context is not None:
+            carrier = carrier_from_grpc_metadata(grpc_context.invocation_metadata())
+        return self._new_record(carrier, kind)
+
+    @staticmethod
+    def _grpc_error(grpc_context, error: api.OpenAIError | BatchStoreError) -> convert.GrpcError:
+        """Put an OpenAI error (or a batch store error, mapped as the HTTP handler maps it) on the gRPC context."""
+        if isinstance(error, BatchStoreError):
+            status = 404 if isinstance(error, NotFoundError) else 409 if isinstance(error, ConflictError) else 400
+            error = api.OpenAIError(status, str(error), code={404: "not_found", 409: "conflict"}.get(status))
+        retry_after = error.headers.get("Retry-After")
+        grpc_error = convert.grpc_error_from_openai(error.status, error.body(),
+                                                    float(retry_after) if retry_after else None)
+        if grpc_context is not None:
+            convert.apply_grpc_error(grpc_context, grpc_error)
+        return grpc_error
+
+    @staticmethod
+    def _serving(generation: "Generation") -> pb.ServingInfo:
+        return convert.serving_info(generation.lane.value, generation.request_class.value, generation.reasons)
+
+    async def _grpc_unary(self, kind: str, request, grpc_context):
+        model = self.cfg.model.served_name
+        try:
+            body, request_class = self._grpc_body(kind, request, stream=False)
+            lane_request, generation = await self._start(body, kind, request_class,
+                                                         self._grpc_record(grpc_context, kind))
+            response = await self._collect(kind, lane_request.request_id, model, generation)
+        except api.OpenAIError as error:
+            self._grpc_error(grpc_context, error)
+            return pb.ChatCompletionResponse() if kind == "chat" else pb.CompletionResponse()
+        build = convert.chat_response_from_openai if kind == "chat" else convert.completion_response_from_openai
+        return build(response, self._serving(generation))
+
+    async def _grpc_stream(self, kind: str, request, grpc_context):
+        """Generate / ChatCompleteStream: the SSE path's chunks as proto messages. The first message carries
+        `serving` (and the assistant role for chat), the one with finish_reason carries `usage`."""
+        model = self.cfg.model.served_name
+        try:
+            body, request_class = self._grpc_body(kind, request, stream=True)
+            lane_request, generation = await self._start(body, kind, request_class,
+                                                         self._grpc_record(grpc_context, kind))
+        except api.OpenAIError as error:
+            raise RuntimeError(self._grpc_error(grpc_context, error).details) from None
+        request_id, serving, sent_tokens, usage_sent = lane_request.request_id, self._serving(generation), 0, False
+        try:
+            async with contextlib.aclosing(generation.chunks()) as chunks:
+                async for chunk in chunks:
+                    usage = None
+                    if chunk.finish_reason is not None:
+                        usage = api.usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
+                        usage_sent = True
+                    num_tokens, sent_tokens = chunk.completion_tokens - sent_tokens, chunk.completion_tokens
+                    if kind == "chat":
+                        delta = {"content": chunk.text}
+                        if serving is not None:
+                            delta["role"] = "assistant"
+                        yield convert.chat_chunk_from_openai(
+                            api.chat_chunk(request_id, model, delta, chunk.finish_reason, usage), serving, num_tokens)
+                    else:
+                        yield convert.completion_chunk_from_openai(
+                            api.completion_chunk(request_id, model, chunk.text, chunk.finish_reason, usage), serving,
+                            num_tokens)
+                    serving = None
+        except api.OpenAIError as error:
+            raise RuntimeError(self._grpc_error(grpc_context, error).details) from None
+        if not usage_sent and generation.last is not None:
+            # The lane ended without a finish reason: usage still travels, in a chunk of its own.
+            last = generation.last
+            usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
+            build = api.chat_chunk if kind == "chat" else api.completion_chunk
+            message = build(request_id, model, {} if kind == "chat" else "", None, usage, with_choice=False)
+            to_proto = convert.chat_chunk_from_openai if kind == "chat" else convert.completion_chunk_from_openai
+            yield to_proto(message, serving, 0)
+
     async def _execute_batch_line(self, line: ClaimedLine) -> dict[str, Any]:
-        """One batch line through the same validation and lane path as an HTTP request, at batch class."""
+        """One batch line through the same validation and lane path as an HTTP request, at batch class.
+
+        Batch work is never refused for load: while its lane is unavailable (breaker open, replica restarting)
+        the line waits here, its lease renewed by the dispatcher, instead of spending its attempts in seconds.
+        """
+        waited_s = 0.0
+        while True:
+            result = await self._execute_batch_line_once(line)
+            error = result["body"].get("error") if isinstance(result["body"], dict) else None
+            lane_down = result["status_code"] == 503 and error and error.get("code") in LANE_DOWN_CODES
+            if not lane_down or waited_s >= BATCH_LANE_DOWN_MAX_WAIT_S:
+                return result
+            await asyncio.sleep(BATCH_LANE_DOWN_RETRY_S)
+            waited_s += BATCH_LANE_DOWN_RETRY_S
+
+    async def _execute_batch_line_once(self, line: ClaimedLine) -> dict[str, Any]:
         kind = "chat" if line.url == "/v1/chat/completions" else "completion"
         model = api.ChatCompletionRequest if kind == "chat" else api.CompletionRequest
         try:
             body = model.model_validate({**line.body, "stream": False, "service_tier": "flex"})
-            lane_request, request_class = self._prepare(body, kind, None)
-            generation = await self._begin(lane_request, request_class)
+            lane_request, generation = await self._start(body, kind, None, self._new_record(None, kind))
             response = await self._collect(kind, lane_request.request_id, self.cfg.model.served_name, generation)
             return {"status_code": 200, "body": response, "request_id": lane_request.request_id}
         except ValidationError as error:
@@ -425,6 +900,8 @@ class Router:
     async def __del__(self):
         # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.
         self.dispatcher.stop()
+        self._backlog_metrics_task.cancel()
+        self.tracing.shutdown()
         try:
             await asyncio.wait_for(self._dispatcher_task, timeout=10)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):

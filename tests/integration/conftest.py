@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,9 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
 GRPC_PORT = 19000
 START_TIMEOUT_S = 420
-TEST_MAX_NUM_SEQS = 8
+TEST_MAX_NUM_SEQS = 8  # the cold lane's engine
+# Two running sequences on the hot engine: a few requests are enough to make some wait inside it.
+TEST_HOT_MAX_NUM_SEQS = 2
 TEST_INTERACTIVE_QUEUE_BOUND = 24
-TEST_REALTIME_TIMEOUT_S = 4
+TEST_MAX_FILE_BYTES = 1024 * 1024
+# Every process of the test app appends its spans here (the file exporter), so a test can read whole traces.
+SPAN_FILE = Path(tempfile.gettempdir()) / "llm-lanes-test-spans.jsonl"
 
 
 def pytest_collection_modifyitems(items):
@@ -38,61 +43,84 @@ def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
     args = document["applications"][0]["args"]
     args["model"]["source"] = str(tiny_model)
     # Small engines and short limits so contention, queues, deadlines and breakers show within seconds on 2 cores.
-    args["hot_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
+    args["hot_lane"]["engine"]["max_num_seqs"] = TEST_HOT_MAX_NUM_SEQS
     args["cold_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
     args["admission"].update(interactive_queue_bound=TEST_INTERACTIVE_QUEUE_BOUND,
-                             deadlines={"realtime_timeout_floor_s": TEST_REALTIME_TIMEOUT_S},
-                             breaker={"failure_threshold": 3, "cooldown_s": 5})
-    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5}
+                             breaker={"failure_threshold": 3, "cooldown_s": 15})
+    SPAN_FILE.unlink(missing_ok=True)
+    args["observability"] = {"tracing": {"exporter": "file", "file_path": str(SPAN_FILE)}}
+    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5,
+                     "max_file_bytes": TEST_MAX_FILE_BYTES}
     path = tmp_dir / "local-test.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
 
 
-def _stop(process: subprocess.Popen, ray_bin: Path, env: dict) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+class AppProcess:
+    """`serve run CONFIG` as a child process group: start, wait until every lane answers, stop, restart."""
 
+    def __init__(self, config: Path, log_path: Path):
+        self.config = config
+        self.log_path = log_path
+        self.bin_dir = Path(sys.executable).parent
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        self.url = f"http://127.0.0.1:{HTTP_PORT}"
+        self.process: subprocess.Popen | None = None
 
-@pytest.fixture(scope="session")
-def app_url(tmp_path_factory, tiny_model) -> str:
-    tmp_dir = tmp_path_factory.mktemp("serve")
-    config = _write_test_config(tmp_dir, tiny_model)
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    log_path = tmp_dir / "serve.log"
-    log = log_path.open("w")
-    process = subprocess.Popen([str(bin_dir / "serve"), "run", str(config)], cwd=ROOT, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{HTTP_PORT}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
+    def start(self) -> None:
+        log = self.log_path.open("a")
+        self.process = subprocess.Popen([str(self.bin_dir / "serve"), "run", str(self.config)], cwd=ROOT,
+                                        env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"serve run exited with {process.returncode}; log: {log_path}\n"
-                                   + log_path.read_text()[-4000:])
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve run exited with {self.process.returncode}; log: {self.log_path}\n"
+                                   + self.log_path.read_text()[-4000:])
             try:
                 # The Router answers before the engines are up: wait until every lane reports engine stats.
-                stats = httpx.get(f"{url}/v1/admin/stats", timeout=10)
+                stats = httpx.get(f"{self.url}/v1/admin/stats", timeout=10)
                 if stats.status_code == 200 and all("running" in replicas[0]
                                                     for replicas in stats.json()["lanes"].values()):
-                    break
+                    return
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"app did not answer within {START_TIMEOUT_S} s; log: {log_path}\n"
-                                   + log_path.read_text()[-4000:])
+                raise RuntimeError(f"app did not answer within {START_TIMEOUT_S} s; log: {self.log_path}\n"
+                                   + self.log_path.read_text()[-4000:])
             time.sleep(2)
-        yield url
+
+    def stop(self) -> None:
+        """Ctrl-C to `serve run` (it shuts the app down), then make sure no Ray process is left."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        subprocess.run([str(self.bin_dir / "ray"), "stop", "--force"], env=self.env, capture_output=True,
+                       timeout=120)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def app_process(tmp_path_factory, tiny_model) -> AppProcess:
+    tmp_dir = tmp_path_factory.mktemp("serve")
+    app = AppProcess(_write_test_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
+    try:
+        app.start()
+        yield app
     finally:
-        _stop(process, bin_dir / "ray", env)
-        log.close()
+        app.stop()
+
+
+@pytest.fixture(scope="session")
+def app_url(app_process) -> str:
+    return app_process.url
 
 
 @pytest.fixture(scope="session")

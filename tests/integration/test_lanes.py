@@ -1,4 +1,8 @@
-"""Request classes end to end on the real engines: priority, the realtime cap, degrade, back-pressure, deadlines."""
+"""Request classes end to end on the real engines: priority, the realtime cap, degrade, back-pressure, deadlines.
+
+The tiny model decodes a step of 8 sequences in ~2 ms on one core, faster than this 2-core machine's HTTP path can
+bring requests in; contention inside an engine therefore needs long generations (1000+ tokens).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import (TEST_INTERACTIVE_QUEUE_BOUND, TEST_MAX_NUM_SEQS, TEST_REALTIME_TIMEOUT_S,
+from tests.integration.conftest import (TEST_HOT_MAX_NUM_SEQS, TEST_INTERACTIVE_QUEUE_BOUND, TEST_MAX_NUM_SEQS,
                                         lane_stats, wait_until, wait_until_async)
 
 
@@ -21,6 +25,11 @@ async def first_token_time(client: httpx.AsyncClient, url: str, body: dict, head
             if first is None and line.startswith("data: {") and '"text"' in line:
                 first = time.monotonic()
         return first, response.status_code, response.headers
+
+
+async def plain_completion(client: httpx.AsyncClient, url: str, body: dict):
+    response = await client.post(f"{url}/v1/completions", json=body)
+    return response.status_code, response.headers, response.json()
 
 
 def long_body(model: str, tier: str, max_tokens: int, prompt: str = "tell me more") -> dict:
@@ -40,9 +49,9 @@ def idle_engines(app_url):
 
 async def test_realtime_overtakes_queued_interactive(app_url, served_model):
     async with httpx.AsyncClient(timeout=120) as client:
-        # Twice the engine's max_num_seqs: half run, half wait inside the engine.
+        # Three times the hot engine's max_num_seqs: a third run, the rest wait inside the engine.
         interactive = [asyncio.create_task(first_token_time(client, app_url, long_body(served_model, "default", 400)))
-                       for _ in range(2 * TEST_MAX_NUM_SEQS)]
+                       for _ in range(3 * TEST_HOT_MAX_NUM_SEQS)]
         assert await wait_until_async(lambda: lane_stats(app_url)["hot"]["waiting"] > 0, timeout_s=30)
         realtime_first, status, headers = await first_token_time(
             client, app_url, long_body(served_model, "priority", 8))
@@ -50,14 +59,14 @@ async def test_realtime_overtakes_queued_interactive(app_url, served_model):
     assert status == 200 and headers["x-llm-lanes-request-class"] == "realtime"
     assert all(r[1] == 200 for r in results)
     later = sum(1 for first, _, _ in results if first > realtime_first)
-    # Every interactive request still waiting in the engine when realtime arrived started after it.
-    assert later >= TEST_MAX_NUM_SEQS - 1, (later, [r[0] - realtime_first for r in results])
+    # The interactive requests still waiting in the engine when realtime arrived started after it.
+    assert later >= TEST_HOT_MAX_NUM_SEQS, (later, [r[0] - realtime_first for r in results])
 
 
 async def test_interactive_overtakes_batch_on_the_cold_lane_after_a_long_context_degrade(app_url, served_model):
-    long_prompt = " ".join(["lane"] * 1700)  # over local.yaml's long_context_threshold of 1536 tokens
+    long_prompt = [100 + i % 1000 for i in range(1700)]  # token ids: over local.yaml's long-context threshold (1536)
     async with httpx.AsyncClient(timeout=120) as client:
-        batch = [asyncio.create_task(first_token_time(client, app_url, long_body(served_model, "flex", 400)))
+        batch = [asyncio.create_task(first_token_time(client, app_url, long_body(served_model, "flex", 1500)))
                  for _ in range(2 * TEST_MAX_NUM_SEQS)]
         assert await wait_until_async(lambda: lane_stats(app_url)["cold"]["waiting"] > 0, timeout_s=30)
         interactive_first, status, headers = await first_token_time(
@@ -71,22 +80,20 @@ async def test_interactive_overtakes_batch_on_the_cold_lane_after_a_long_context
 
 
 async def test_realtime_in_flight_is_capped_at_four_per_hot_replica(app_url, served_model):
+    before = lane_stats(app_url)["hot"]["gate_waits_by_class"].get("realtime", 0)
     async with httpx.AsyncClient(timeout=120) as client:
-        tasks = [asyncio.create_task(first_token_time(client, app_url, long_body(served_model, "priority", 200)))
+        tasks = [asyncio.create_task(plain_completion(client, app_url, long_body(served_model, "priority", 64)))
                  for _ in range(12)]
-        saw_waiting = await wait_until_async(lambda: lane_stats(app_url)["hot"]["gate_waiting_by_class"].get("realtime", 0) > 0,
-                                 timeout_s=20, interval_s=0.05)
         results = await asyncio.gather(*tasks)
-    assert all(status == 200 for _, status, _ in results)
+    assert [status for status, _, _ in results] == [200] * 12
     stats = lane_stats(app_url)["hot"]
-    assert saw_waiting, "realtime requests beyond the cap should wait in front of the engine"
     assert stats["max_inflight_by_class"]["realtime"] == 4
+    assert stats["gate_waits_by_class"].get("realtime", 0) > before, "realtime beyond the cap waits before the engine"
 
 
 async def test_interactive_burst_gets_429_with_retry_after_while_batch_completes(app_url, served_model):
     async def plain(client, body):
-        response = await client.post(f"{app_url}/v1/completions", json=body)
-        return response.status_code, response.headers, response.json()
+        return await plain_completion(client, app_url, body)
 
     async with httpx.AsyncClient(timeout=180) as client:
         batch = [asyncio.create_task(plain(client, long_body(served_model, "flex", 32))) for _ in range(30)]
@@ -104,14 +111,21 @@ async def test_interactive_burst_gets_429_with_retry_after_while_batch_completes
 
 
 def test_timed_out_request_is_aborted_in_the_engine(app_url, served_model):
+    deadline_s = 1.0
     started = time.monotonic()
-    response = httpx.post(f"{app_url}/v1/completions", timeout=60,
+    response = httpx.post(f"{app_url}/v1/completions", timeout=60, headers={"X-Request-Timeout": str(deadline_s)},
                           json=long_body(served_model, "priority", 2000))  # ~6 s of decoding on this CPU
     elapsed = time.monotonic() - started
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "deadline_exceeded"
-    assert elapsed < TEST_REALTIME_TIMEOUT_S + 2
+    assert elapsed < deadline_s + 3
     assert wait_until(lambda: lane_stats(app_url)["hot"]["running"] == 0, timeout_s=10), lane_stats(app_url)
-    # The timeout counted against the hot lane's breaker but one failure does not open it.
+    # One timeout counts against the hot lane's breaker but does not open it.
     follow_up = httpx.post(f"{app_url}/v1/completions", timeout=60, json=long_body(served_model, "priority", 4))
     assert follow_up.status_code == 200
+
+
+def test_request_timeout_header_must_be_positive_seconds(app_url, served_model):
+    response = httpx.post(f"{app_url}/v1/completions", timeout=30, headers={"X-Request-Timeout": "soon"},
+                          json=long_body(served_model, "default", 4))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "X-Request-Timeout"

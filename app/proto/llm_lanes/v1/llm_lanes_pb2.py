@@ -29,7 +29,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllm_lanes/v1/l
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llm_lanes.v1.llm_lanes_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'app.proto.llm_lanes.v1.llm_lanes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITBATCHREQUEST_METADATAENTRY']._loaded_options = None

@@ -1,0 +1,70 @@
+"""Faults, run last (they kill replicas and restart the app): nothing in a batch is lost or recorded twice, a dead
+cold lane opens its breaker while interactive traffic carries on."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import httpx
+
+from tests.integration.conftest import router_stats, wait_until
+from tests.integration.test_batch_api import batch_lines, wait_for_batch
+
+
+def submit(openai_client, served_model: str, count: int, max_tokens: int):
+    lines = [json.loads(line) for line in batch_lines(served_model, count)]
+    for line in lines:
+        line["body"]["max_tokens"] = max_tokens
+        line["body"]["ignore_eos"] = True
+    payload = "\n".join(json.dumps(line) for line in lines).encode()
+    uploaded = openai_client.files.create(file=("faults.jsonl", io.BytesIO(payload)), purpose="batch")
+    return openai_client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+
+
+def assert_each_line_recorded_once(openai_client, batch, count: int) -> None:
+    assert batch.status == "completed", batch
+    assert batch.request_counts.completed == count and batch.request_counts.failed == 0, batch.request_counts
+    output = [json.loads(line) for line in openai_client.files.content(batch.output_file_id).text.splitlines()]
+    custom_ids = [o["custom_id"] for o in output]
+    assert len(custom_ids) == len(set(custom_ids)) == count
+    assert set(custom_ids) == {f"req-{i}" for i in range(count)}
+
+
+def test_killing_the_cold_replica_mid_batch_loses_nothing_and_opens_its_breaker(app_url, openai_client,
+                                                                                served_model):
+    import ray
+
+    batch = submit(openai_client, served_model, 120, max_tokens=200)
+    assert wait_until(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 10,
+                      timeout_s=120)
+    ray.init(address="auto", logging_level="ERROR")
+    try:
+        cold = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ColdLane" in a["name"]]
+        assert len(cold) == 1, cold
+        ray.kill(ray.get_actor(cold[0]["name"], namespace=cold[0]["namespace"]), no_restart=True)
+    finally:
+        ray.shutdown()
+    # The in-flight lines fail on the dead replica: the cold lane's breaker opens (then half-opens to probe).
+    assert wait_until(lambda: router_stats(app_url)["breakers"]["cold"] in ("open", "half_open"), timeout_s=30,
+                      interval_s=0.2)
+    # Interactive traffic still completes on the hot lane meanwhile.
+    for _ in range(3):
+        response = httpx.post(f"{app_url}/v1/completions", timeout=60,
+                              json={"model": served_model, "prompt": "still here", "max_tokens": 4})
+        assert response.status_code == 200 and response.headers["x-llm-lanes-lane"] == "hot"
+    # Serve replaces the replica; the batch waits for it and finishes with every line recorded exactly once.
+    assert_each_line_recorded_once(openai_client, wait_for_batch(openai_client, batch.id, timeout_s=420), 120)
+    assert wait_until(lambda: router_stats(app_url)["breakers"]["cold"] == "closed", timeout_s=60)
+
+
+def test_a_batch_survives_a_full_application_restart(app_process, openai_client, served_model):
+    batch = submit(openai_client, served_model, 200, max_tokens=64)
+    assert wait_until(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 20,
+                      timeout_s=120)
+    before = openai_client.batches.retrieve(batch.id).request_counts.completed
+    assert before < 200, "the batch finished before the restart: make its lines longer"
+    app_process.restart()  # serve run stopped with Ctrl-C (the app shuts down), Ray stopped, then started again
+    assert_each_line_recorded_once(openai_client, wait_for_batch(openai_client, batch.id, timeout_s=420), 200)
