@@ -71,8 +71,8 @@ class TrafficControl:
     def admit(self, request_class: RequestClass) -> AdmissionResult:
         if not self.enabled:
             return AdmissionResult(Decision.ADMIT, "admission_disabled")
-        home = Lane.COLD if request_class is RequestClass.BATCH and Lane.COLD in self.breakers else Lane.HOT
-        return self.back_pressure.try_enqueue(request_class, lane_up=self.breakers[home].state is not BreakerState.OPEN)
+        # A lane that is down is route()'s business (503 with the breaker's Retry-After), not a full queue's (429).
+        return self.back_pressure.try_enqueue(request_class)
 
     def route(self, request_class: RequestClass, prompt_tokens: int, max_tokens: int) -> RouteDecision | RouteRefusal:
         admission = self.cfg.admission
