@@ -167,7 +167,9 @@ class VllmEngine:
         capacity = cache.num_gpu_blocks * cache.block_size if cache and cache.num_gpu_blocks else None
         return EngineStats(
             running=latest.num_running_reqs if latest else 0,
-            waiting=latest.num_waiting_reqs if latest else 0,
+            # vLLM counts requests held back by a transient limit (e.g. max_num_seqs reached) apart from the rest;
+            # both are waiting as far as an operator or the admission policy is concerned.
+            waiting=(latest.num_waiting_reqs + latest.num_skipped_waiting_reqs) if latest else 0,
             kv_cache_usage=latest.kv_cache_usage if latest else 0.0,
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
