@@ -244,7 +244,9 @@ class BatchConfig(StrictModel):
 
     @property
     def is_postgres(self) -> bool:
-        return self.store.startswith(("postgresql://", "postgres://"))
+        from app.batch.store import is_postgres_url
+
+        return is_postgres_url(self.store)
 
 
 # Kept equal to app.observability.tracing.EXPORTERS (a unit test checks): config.py stays free of OpenTelemetry imports.

@@ -691,9 +691,13 @@ class SqlBatchStore(BatchStore):
         return BacklogStats(queued[0], queued[1], leased[0], leased[1], active)
 
 
+def is_postgres_url(location: str) -> bool:
+    return location.startswith(("postgresql://", "postgres://"))
+
+
 def open_batch_store(location: str, **kwargs: Any) -> BatchStore:
     """A PostgreSQL URL (postgresql://...) opens PostgresBatchStore; anything else is a SQLite file path."""
-    if location.startswith(("postgresql://", "postgres://")):
+    if is_postgres_url(location):
         from app.batch.postgres_store import PostgresBatchStore
 
         return PostgresBatchStore(location, **kwargs)

@@ -127,6 +127,15 @@ def serving_info(
     return info
 
 
+def _attach_usage_and_serving(message, usage: Mapping[str, Any] | None, serving: pb.ServingInfo | None) -> None:
+    """Every response and chunk message carries optional `usage` and `serving` fields the same way."""
+    converted = usage_from_openai(usage)
+    if converted is not None:
+        message.usage.CopyFrom(converted)
+    if serving is not None:
+        message.serving.CopyFrom(serving)
+
+
 def usage_from_openai(usage: Mapping[str, Any] | None) -> pb.Usage | None:
     if not usage:
         return None
@@ -162,11 +171,7 @@ def completion_response_from_openai(
         text=choice.get("text") or "",
         finish_reason=choice.get("finish_reason") or "",
     )
-    usage = usage_from_openai(response.get("usage"))
-    if usage is not None:
-        message.usage.CopyFrom(usage)
-    if serving is not None:
-        message.serving.CopyFrom(serving)
+    _attach_usage_and_serving(message, response.get("usage"), serving)
     return message
 
 
@@ -183,11 +188,7 @@ def completion_chunk_from_openai(
         num_tokens=_delta_token_count(choice, num_tokens),
         finish_reason=choice.get("finish_reason") or "",
     )
-    usage = usage_from_openai(chunk.get("usage"))
-    if usage is not None:
-        message.usage.CopyFrom(usage)
-    if serving is not None:
-        message.serving.CopyFrom(serving)
+    _attach_usage_and_serving(message, chunk.get("usage"), serving)
     return message
 
 
@@ -203,11 +204,7 @@ def chat_response_from_openai(
         message=pb.ChatMessage(role=reply.get("role") or "assistant", content=reply.get("content") or ""),
         finish_reason=choice.get("finish_reason") or "",
     )
-    usage = usage_from_openai(response.get("usage"))
-    if usage is not None:
-        message.usage.CopyFrom(usage)
-    if serving is not None:
-        message.serving.CopyFrom(serving)
+    _attach_usage_and_serving(message, response.get("usage"), serving)
     return message
 
 
@@ -225,11 +222,7 @@ def chat_chunk_from_openai(
         num_tokens=_delta_token_count(choice, num_tokens),
         finish_reason=choice.get("finish_reason") or "",
     )
-    usage = usage_from_openai(chunk.get("usage"))
-    if usage is not None:
-        message.usage.CopyFrom(usage)
-    if serving is not None:
-        message.serving.CopyFrom(serving)
+    _attach_usage_and_serving(message, chunk.get("usage"), serving)
     return message
 
 

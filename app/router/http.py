@@ -342,6 +342,7 @@ class Generation:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
             self.stream.cancel()
             if not self._done:
+                # Abandoned mid-stream by the client: not the lane's fault, and no E2E sample for the deadline P99.
                 self._done = True
                 self.router.control.finished(self.request_class, self.lane, Outcome(ok=True), None)
             if not self.record.finished:
@@ -350,21 +351,20 @@ class Generation:
     def _output_tokens(self) -> int:
         return self.last.completion_tokens if self.last is not None else 0
 
-    def _finish(self, ok: bool, timed_out: bool = False) -> None:
+    def _finish(self, ok: bool) -> None:
         if self._done:
             return
         self._done = True
         e2e = time.monotonic() - self.started_at if ok else None
-        self.router.control.finished(self.request_class, self.lane, Outcome(ok=ok, timed_out=timed_out), e2e)
+        self.router.control.finished(self.request_class, self.lane, Outcome(ok=ok), e2e)
 
     def _fail(self, error: BaseException) -> None:
         if self.stream is not None:
             self.stream.cancel()
         if isinstance(error, asyncio.CancelledError):
             return  # the client went away: not the lane's fault
-        timed_out = isinstance(error, asyncio.TimeoutError)
         logger.warning("request %s on the %s lane failed: %r", self.lane_request.request_id, self.lane.value, error)
-        self._finish(ok=False, timed_out=timed_out)
+        self._finish(ok=False)
 
     def _as_openai_error(self, error: BaseException) -> BaseException:
         if isinstance(error, asyncio.CancelledError):

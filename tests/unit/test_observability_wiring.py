@@ -20,6 +20,7 @@ from app.observability import tracing as tr
 from app.observability.metrics import LlmLanesMetrics
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+from tests.unit.grpc_fakes import FakeServicerContext
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = sorted((REPO / "serve_configs").glob("*.yaml"))
@@ -197,37 +198,6 @@ def make_router(tmp_path, tracing_exporter=None, **cfg_extra):
     router.batch_store = open_batch_store(str(tmp_path / "batches.sqlite3"))
     router.dispatcher = SimpleNamespace(window=SimpleNamespace(size=16))
     return router
-
-
-class FakeServicerContext:
-    """What RayServegRPCContext reads from grpc's servicer context at construction."""
-
-    def __init__(self, metadata=(("application", "llm-lanes"),)):
-        self._metadata = list(metadata)
-
-    def auth_context(self):
-        return {}
-
-    def code(self):
-        return None
-
-    def details(self):
-        return None
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def peer(self):
-        return "ipv4:127.0.0.1:5000"
-
-    def peer_identities(self):
-        return None
-
-    def peer_identity_key(self):
-        return None
-
-    def trailing_metadata(self):
-        return [("request_id", "req-1")]
 
 
 def grpc_context(metadata=(("application", "llm-lanes"),)):

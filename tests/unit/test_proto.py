@@ -13,6 +13,7 @@ from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
 from app.router.classes import RequestClass, classify
+from tests.unit.grpc_fakes import FakeServicerContext
 
 
 def _import_attr(path: str):
@@ -293,38 +294,14 @@ def test_grpc_error_from_openai_carries_body_and_retry_after():
     assert convert.grpc_error_from_openai(500, None).details == "HTTP 500"
 
 
-class _FakeServicerContext:
-    """What RayServegRPCContext reads from grpc's servicer context at construction."""
-
-    def auth_context(self):
-        return {}
-
-    def code(self):
-        return None
-
-    def details(self):
-        return None
-
-    def invocation_metadata(self):
-        return [("application", "llm-lanes"), ("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01")]
-
-    def peer(self):
-        return "ipv4:127.0.0.1:5000"
-
-    def peer_identities(self):
-        return None
-
-    def peer_identity_key(self):
-        return None
-
-    def trailing_metadata(self):
-        return [("request_id", "req-1")]
+# A caller that sends a W3C traceparent along with the application name.
+TRACED_METADATA = (("application", "llm-lanes"), ("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"))
 
 
 def test_apply_grpc_error_on_ray_serve_context_keeps_request_id():
     from ray.serve.grpc_util import RayServegRPCContext  # import only: no Ray cluster starts
 
-    context = RayServegRPCContext(_FakeServicerContext())
+    context = RayServegRPCContext(FakeServicerContext(TRACED_METADATA))
     assert context.application() == "llm-lanes"
     convert.apply_grpc_error(context, convert.grpc_error_from_openai(400, {"error": {"message": "bad max_tokens"}}))
     assert context.code() is grpc.StatusCode.INVALID_ARGUMENT
