@@ -87,7 +87,8 @@ def test_client_disconnect_aborts_the_engine_request(app_url, served_model):
             lines = response.iter_lines()
             received = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in received)
-            assert lane_stats(app_url)["hot"]["running"] == 1
+            # Scheduler stats arrive with the engine's step outputs: give them a moment to show the request.
+            assert wait_until(lambda: lane_stats(app_url)["hot"]["running"] == 1, timeout_s=5, interval_s=0.1)
         # Leaving the block closes the connection mid-stream.
     drained = wait_until(lambda: (s := lane_stats(app_url)["hot"])["running"] == 0 and not s["inflight_by_class"],
                          timeout_s=30)
