@@ -207,11 +207,25 @@ class RouterConfig(StrictModel):
 
 
 class PrefixCacheConfig(StrictModel):
-    """Prefix-affinity rules; defaults are the tuning guide's values."""
+    """Prefix-affinity routing and the shared prefix index; defaults are the tuning guide's values."""
 
+    routing: Literal["affinity", "pow2"] = Field(
+        "affinity", description="affinity: route long prompts to the replica holding their prefix "
+                                "(app.prefix_cache.request_router); pow2: Ray Serve's power-of-two-choices (baseline).")
+    feed: Literal["kv_events", "approximate"] = Field(
+        "kv_events", description="kv_events: exact, from each engine's vLLM KV-cache events; approximate: a replica "
+                                 "records each long prompt it admits, forgotten after approximate_ttl_s unused.")
+    approximate_ttl_s: float = Field(300, gt=0, description="approximate feed: entries unused this long are dropped.")
     match_threshold: float = Field(0.85, description="Route by affinity when match ratio >= this.")
     min_prefix_tokens: int = Field(1024, ge=1, description="Prompts shorter than this skip affinity.")
+    max_queue_imbalance: int = Field(4, ge=0, description="Affinity yields when its replica's queue is this much "
+                                                           "longer than the shortest queue.")
+    kv_usage_weight: float = Field(8.0, ge=0, description="Load score = queue length + this x KV usage (0..1).")
+    lookup_timeout_s: float = Field(0.005, gt=0, description="Budget of one index lookup; over it: load-only.")
     max_pinned_prefixes: int | None = Field(None, ge=0, description="Default: number of GPUs x 4.")
+    warmup: bool = Field(True, description="A new replica prefills the pinned prefixes before it takes traffic.")
+    warmup_timeout_s: float = Field(60, gt=0, description="Warm-up gives up (and the replica starts) after this.")
+    popularity_half_life_s: float = Field(600, gt=0, description="Prefix reuse counts halve after this long.")
     max_entries: int = Field(200_000, ge=1, description="Bound on indexed blocks; least recently used go first.")
     num_cpus: float = Field(0.1, ge=0)
 
@@ -300,6 +314,12 @@ class AppConfig(StrictModel):
         for lane_name in ("hot_lane", "cold_lane"):
             if getattr(self, lane_name) is not None:
                 _check_lane(self, lane_name, getattr(self, lane_name))
+                if (self.prefix_cache.feed == "kv_events"
+                        and not getattr(self, lane_name).engine.enable_prefix_caching):
+                    raise ValueError(
+                        f"prefix_cache.feed='kv_events' needs {lane_name}.engine.enable_prefix_caching: true (an "
+                        "engine without a prefix cache sends no KV events); or set prefix_cache.feed: approximate"
+                    )
         return self
 
     def lane(self, name: str) -> LaneConfig:

@@ -29,8 +29,32 @@ def _resolve_local_paths(cfg: AppConfig) -> AppConfig:
     return cfg
 
 
-def lane_deployment_options(lane: LaneConfig) -> dict[str, Any]:
-    """Ray Serve options of one lane, derived from the schema (placement group from tensor_parallel_size)."""
+# How often Serve asks each lane replica for its routing stats (KV usage, weighed by the affinity router).
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str, Any] | None:
+    """The lane's `request_router_config`: prefix-affinity routing, or None for Serve's power-of-two-choices."""
+    settings = cfg.prefix_cache
+    if settings.routing != "affinity":
+        return None
+    return {
+        "request_router_class": "app.prefix_cache.request_router:PrefixAffinityRouter",
+        "request_router_kwargs": {
+            "block_size": lane.engine.block_size,
+            "min_prefix_tokens": settings.min_prefix_tokens,
+            "match_threshold": settings.match_threshold,
+            "max_queue_imbalance": settings.max_queue_imbalance,
+            "kv_usage_weight": settings.kv_usage_weight,
+            "lookup_timeout_s": settings.lookup_timeout_s,
+        },
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
+
+
+def lane_deployment_options(lane: LaneConfig, cfg: AppConfig | None = None) -> dict[str, Any]:
+    """Ray Serve options of one lane, derived from the schema (placement group from tensor_parallel_size;
+    request router from prefix_cache.routing when `cfg` is given)."""
     settings = lane.deployment
     bundles = placement_group_bundles(lane)
     options: dict[str, Any] = {
@@ -61,6 +85,11 @@ def lane_deployment_options(lane: LaneConfig) -> dict[str, Any]:
             }
     else:
         options["num_replicas"] = settings.num_replicas
+    router_config = prefix_affinity_router_config(cfg, lane) if cfg is not None else None
+    if router_config:
+        from ray.serve.config import RequestRouterConfig
+
+        options["request_router_config"] = RequestRouterConfig(**router_config)
     return options
 
 
@@ -76,8 +105,8 @@ def build_app(args: dict[str, Any]) -> Application:
     prefix_cache = PrefixCache.options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.prefix_cache.num_cpus}
     ).bind(app_args)
-    hot = HotLane.options(**lane_deployment_options(cfg.hot_lane)).bind(app_args, prefix_cache)
-    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane)).bind(app_args, prefix_cache)
+    hot = HotLane.options(**lane_deployment_options(cfg.hot_lane, cfg)).bind(app_args, prefix_cache)
+    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane, cfg)).bind(app_args, prefix_cache)
             if cfg.cold_lane is not None else None)
     router = Router.options(
         num_replicas=cfg.router.num_replicas,

@@ -102,6 +102,8 @@ class RequestRecord:
     chunk_offsets_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    # Prompt tokens the engine found in its prefix cache (usage.prompt_tokens_details.cached_tokens).
+    cached_prompt_tokens: int | None = None
     usage_reported: bool = False
     status: int | None = None  # HTTP status; None when no response came (transport error, timeout)
     error: str | None = None
@@ -165,6 +167,8 @@ def _take_usage(record: RequestRecord, payload: dict[str, Any]) -> None:
     if usage:
         record.output_tokens = int(usage.get("completion_tokens") or 0)
         record.prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_prompt_tokens = details.get("cached_tokens")
         record.usage_reported = True
 
 

@@ -12,6 +12,7 @@
 #   baseline-priority  serve_configs/baseline-gpu-priority.yaml
 #   lanes-tuned-mps    gpu-lanes-tuned.yaml with the CUDA MPS daemon on (optional; skipped if MPS is missing)
 #   config=PATH        any other serve config; the phase is named after the file
+#   config-mps=PATH    the same with the CUDA MPS daemon on; the phase is named <file>-mps
 #   summary            only rebuild the summary (every invocation ends with one anyway)
 #
 # A device call is limited to 10 minutes, so one call runs one or two phases. State lives in $CAMPAIGN_DIR
@@ -71,10 +72,17 @@ config_for() {
     baseline-fcfs) echo serve_configs/baseline-gpu.yaml ;;
     baseline-priority) echo serve_configs/baseline-gpu-priority.yaml ;;
     config=*) echo "${1#config=}" ;;
+    config-mps=*) echo "${1#config-mps=}" ;;
     *) return 1 ;;
   esac
 }
-label_for() { case "$1" in config=*) basename "${1#config=}" .yaml ;; *) echo "$1" ;; esac; }
+label_for() {
+  case "$1" in
+    config=*) basename "${1#config=}" .yaml ;;
+    config-mps=*) echo "$(basename "${1#config-mps=}" .yaml)-mps" ;;
+    *) echo "$1" ;;
+  esac
+}
 
 payload_ready() {
   have serve && have ray && "$PY" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("vllm") and u.find_spec("ray") else 1)'
@@ -260,7 +268,7 @@ run_serving_phase() {
     return 1
   fi
   ensure_model || { write_phase_json "$dir" "$label" "$config" "model_failed" false; return 1; }
-  if [ "$phase" = lanes-tuned-mps ]; then
+  if [ "$phase" = lanes-tuned-mps ] || [[ "$phase" == config-mps=* ]]; then
     if start_mps; then mps=true; log "[$label] MPS daemon started"; else
       write_phase_json "$dir" "$label" "$config" "mps_unavailable" false; log "[$label] no MPS: skipped"; return 1
     fi

@@ -99,6 +99,7 @@ CLASS_ROWS: list[tuple[str, Any]] = [
     ("output tokens", lambda s: _num(s["output_tokens"])),
     ("output tokens/s", lambda s: _num(s["output_tokens_per_s"])),
     ("requests/s (ok)", lambda s: _num(s["requests_per_s"], 2)),
+    ("prefix hit rate (cached ÷ prompt tokens)", lambda s: _num(s.get("prefix_hit_rate"), 3)),
     ("goodput (fraction within SLO)", lambda s: _goodput(s["goodput"])),
 ]
 
@@ -133,11 +134,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         if "batch" in ratios:
             headline.append(f"- batch output throughput: **{_ratio(ratios['batch']['output_tokens_per_s'])}**")
         lines += headline + ([""] if headline else [])
-        lines += ["| class | TTFT p50 | TTFT p99 | E2E p99 | output tokens/s | goodput |", "|---|---|---|---|---|---|"]
+        lines += ["| class | TTFT p50 | TTFT p99 | E2E p99 | output tokens/s | prefix hit rate | goodput |",
+                  "|---|---|---|---|---|---|---|"]
         for name, r in ratios.items():
             lines.append(
                 f"| {name} | {_ratio(r['ttft_p50'])} | {_ratio(r['ttft_p99'])} | {_ratio(r['e2e_p99'])} | "
-                f"{_ratio(r['output_tokens_per_s'])} | {_ratio(r['goodput_fraction'])} |"
+                f"{_ratio(r['output_tokens_per_s'])} | {_ratio(r.get('prefix_hit_rate'))} | "
+                f"{_ratio(r['goodput_fraction'])} |"
             )
         lines.append("")
 

@@ -67,6 +67,8 @@ def summarize_class(
     output_tokens = sum(r.output_tokens for r in ok)
     good = [r for r in ok if meets_slo(r, slo)]
     per_s = (lambda n: n / window_s if window_s > 0 else None)
+    with_cache_usage = [r for r in ok if r.prompt_tokens and r.cached_prompt_tokens is not None]
+    prompt_tokens = sum(r.prompt_tokens for r in with_cache_usage)
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -79,6 +81,9 @@ def summarize_class(
         "output_tokens": output_tokens,
         "output_tokens_per_s": per_s(output_tokens),
         "requests_per_s": per_s(len(ok)),
+        # Engine-reported cached prompt tokens / prompt tokens, over answers that reported both (None: none did).
+        "prefix_hit_rate": (sum(r.cached_prompt_tokens for r in with_cache_usage) / prompt_tokens
+                            if prompt_tokens else None),
         "goodput": {
             "slo": slo.model_dump(exclude_none=True) if slo else {},
             "good": len(good),
@@ -149,6 +154,7 @@ def compare(first: dict[str, Any], second: dict[str, Any]) -> dict[str, dict[str
             "ttft_p99": ratio(a["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
             "e2e_p99": ratio(a["e2e_ms"]["p99"], b["e2e_ms"]["p99"]),
             "output_tokens_per_s": ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
+            "prefix_hit_rate": ratio(a.get("prefix_hit_rate"), b.get("prefix_hit_rate")),
             "goodput_fraction": ratio(a["goodput"]["fraction"], b["goodput"]["fraction"]),
         }
     return result

@@ -19,7 +19,8 @@ from app.lanes.types import EngineStats, LaneChunk, LaneRequest
 logger = logging.getLogger(__name__)
 
 
-def engine_args_dict(cfg: AppConfig, settings: EngineSettings) -> dict[str, Any]:
+def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
+                     kv_events_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Our schema -> vLLM engine arguments. Pure, so the mapping is unit-tested without vLLM."""
     args: dict[str, Any] = dict(
         model=cfg.model.source,
@@ -44,6 +45,9 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings) -> dict[str, Any]
         args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     if settings.speculative_config:
         args["speculative_config"] = dict(settings.speculative_config)
+    if kv_events_config:
+        # The replica's own KV-event endpoint (app.prefix_cache.replica_feed): the exact prefix-index feed.
+        args["kv_events_config"] = kv_events_config
     if cfg.model.load_format:
         args["load_format"] = cfg.model.load_format
     if settings.tensor_parallel_size > 1:
@@ -54,11 +58,20 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings) -> dict[str, Any]
     return args
 
 
+def bind_cpu_threads(cfg: AppConfig, settings: EngineSettings) -> None:
+    """Pin the next engine's CPU worker to the lane's cores: vLLM's CPU worker reads VLLM_CPU_OMP_THREADS_BIND when it
+    starts, and two engines left on the default share core 0."""
+    if cfg.device == "cpu" and settings.cpu_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+
+
 class VllmEngine:
     """One vLLM AsyncLLM, started by `start()`, stopped by `shutdown()`."""
 
-    def __init__(self, cfg: AppConfig, settings: EngineSettings, lane: str, replica_id: str):
+    def __init__(self, cfg: AppConfig, settings: EngineSettings, lane: str, replica_id: str,
+                 kv_events_config: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.kv_events_config = kv_events_config
         self.settings = settings
         self.lane = lane
         self.replica_id = replica_id
@@ -71,10 +84,13 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.cfg.device == "cpu" and self.settings.cpu_threads_bind:
-            # Read by vLLM's CPU worker when it starts; each lane pins its own cores.
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpu_threads_bind
-        engine_args = AsyncEngineArgs(**engine_args_dict(self.cfg, self.settings))
+        bind_cpu_threads(self.cfg, self.settings)
+        args = engine_args_dict(self.cfg, self.settings, self.kv_events_config)
+        if "kv_events_config" in args:
+            from vllm.config import KVEventsConfig
+
+            args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
+        engine_args = AsyncEngineArgs(**args)
         self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=self.stat_logger_factories())
 
     def stat_logger_factories(self) -> list:
@@ -180,3 +196,47 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def offline_generate(cfg: AppConfig, settings: EngineSettings, prompts: list[list[int]], max_tokens: int, *,
+                     temperature: float = 0.0, warmup_prompts: list[list[int]] | None = None,
+                     warmup_max_tokens: int = 8) -> dict[str, Any]:
+    """The bare-engine baseline: vLLM's offline `LLM` on one lane's engine settings, every prompt (token ids) handed
+    over at once, `max_tokens` tokens each (ignore_eos). Used by load_tests/batch_throughput.py; run it in a process
+    of its own (the engine's threads and memory go with the process).
+
+    Only the measured generate() is timed, not the engine's start or the warm-up (`warmup_prompts`, a few short
+    generations first so one-off set-up costs are not counted). Returns requests, prompt_tokens, output_tokens,
+    generate_s and engine_start_s.
+    """
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    bind_cpu_threads(cfg, settings)
+    started = time.perf_counter()
+    # The lane's own engine arguments, unchanged (LLM passes them to EngineArgs); stream_interval has no effect here,
+    # as LLM.generate returns whole outputs.
+    llm = LLM(**engine_args_dict(cfg, settings))
+    engine_start_s = time.perf_counter() - started
+    try:
+        if warmup_prompts:
+            llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in warmup_prompts],
+                         SamplingParams(max_tokens=warmup_max_tokens, ignore_eos=True, temperature=temperature),
+                         use_tqdm=False)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        began = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        generate_s = time.perf_counter() - began
+    finally:
+        # LLM has no public shutdown; its engine-core client stops the engine-core process.
+        llm.llm_engine.engine_core.shutdown()
+    return {
+        "requests": len(outputs),
+        "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "generate_s": generate_s,
+        "engine_start_s": engine_start_s,
+    }

@@ -16,7 +16,8 @@ from typing import Any
 from app.config import AppConfig, load_app_config
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
 from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
-from app.prefix_cache.index import block_hashes
+from app.prefix_cache.replica_feed import ReplicaPrefixFeed
+from app.prefix_cache.request_router import KV_USAGE_STAT
 from app.router.admission import Decision, PriorityGate, kv_headroom_decision
 from app.router.classes import RequestClass
 
@@ -107,10 +108,10 @@ class LaneTrace:
         self.span.end(end_time=finished_ns)
 
 
-def vllm_engine_factory(cfg: AppConfig, lane: str, replica_id: str):
+def vllm_engine_factory(cfg: AppConfig, lane: str, replica_id: str, kv_events_config: dict | None = None):
     from app.lanes.engine import VllmEngine
 
-    return VllmEngine(cfg, cfg.lane(lane).engine, lane, replica_id)
+    return VllmEngine(cfg, cfg.lane(lane).engine, lane, replica_id, kv_events_config=kv_events_config)
 
 
 class LaneReplica:
@@ -120,9 +121,14 @@ class LaneReplica:
         from ray import serve
 
         self.cfg = load_app_config(app_args)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # The full id (app#deployment#unique) is how the prefix-affinity request router names replicas.
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.block_size = self.cfg.lane(self.lane).engine.block_size
-        self.engine = (engine_factory or vllm_engine_factory)(self.cfg, self.lane, self.replica_id)
+        self.prefix_cache = prefix_cache
+        self.prefix_feed = ReplicaPrefixFeed(self.cfg, self.lane, self.replica_id, self.block_size, prefix_cache)
+        await self.prefix_feed.start()
+        self.engine = (engine_factory or vllm_engine_factory)(
+            self.cfg, self.lane, self.replica_id, kv_events_config=self.prefix_feed.engine_kv_events_config())
         await self.engine.start()
         from app.observability.metrics import LlmLanesMetrics
         from app.observability.tracing import setup_tracing
@@ -132,7 +138,6 @@ class LaneReplica:
         self.tracing = setup_tracing(self.cfg.observability.tracing.model_dump(),
                                      component=f"{self.lane.capitalize()}Lane")
         self._hit_rate = PrefixHitRateWindow()
-        self.prefix_cache = prefix_cache
         admission = self.cfg.admission
         # Hot replicas keep the tuning guide's small high-priority queue (realtime <= 4 in flight) and KV reserve.
         self.gate = (PriorityGate.for_hot_replica(admission.realtime_max_inflight)
@@ -143,7 +148,8 @@ class LaneReplica:
         # High-water marks: lets an operator (and a test) see the realtime cap hold under load.
         self.max_inflight_by_class: Counter[str] = Counter()
         self.gate_waits_by_class: Counter[str] = Counter()
-        self._background: set[asyncio.Task] = set()
+        # Before Serve marks this replica ready (the constructor returning): prefill the pinned prefixes.
+        await self.prefix_feed.warm_up(self.engine.generate)
         self._metrics_task = asyncio.create_task(self._publish_engine_metrics_forever())
 
     async def generate(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
@@ -189,6 +195,7 @@ class LaneReplica:
     async def _run(self, request: LaneRequest, trace: LaneTrace | None = None) -> AsyncIterator[LaneChunk]:
         if trace is not None:
             trace.entered_engine()
+        self.prefix_feed.observe(request.prompt_token_ids)
         self.inflight_by_class[request.request_class] += 1
         self.max_inflight_by_class[request.request_class] = max(
             self.max_inflight_by_class[request.request_class], self.inflight_by_class[request.request_class])
@@ -201,29 +208,11 @@ class LaneReplica:
                     trace.chunk(chunk)
                 yield chunk
             self.served_by_class[request.request_class] += 1
-            self._record_prefix(request.prompt_token_ids)
         finally:
             self.inflight_by_class[request.request_class] -= 1
             if not finished:
                 # Cancelled (client gone, deadline) or failed: make sure the engine drops the sequence.
                 await asyncio.shield(self.engine.abort(request.request_id))
-
-    def _record_prefix(self, prompt_token_ids: list[int]) -> None:
-        """Tell the shared index which prompt blocks this replica now holds (routing-time feed)."""
-        if self.prefix_cache is None:
-            return
-        hashes = block_hashes(prompt_token_ids, self.block_size)
-        if not hashes:
-            return
-        task = asyncio.ensure_future(self._send_prefix(hashes))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _send_prefix(self, hashes: list[int]) -> None:
-        try:
-            await self.prefix_cache.record.remote(self.replica_id, self.lane, hashes)
-        except Exception as error:  # the index is advisory: never fail a request for it
-            logger.warning("prefix index update failed: %s", error)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -237,10 +226,18 @@ class LaneReplica:
     async def _publish_engine_metrics_forever(self) -> None:
         while True:
             try:
-                self._publish_engine_metrics(self.engine.stats())
+                stats = await self.stats()
+                if self.prefix_cache is not None:
+                    # Every replica's stats reach the admin endpoint through the PrefixCache's registry (a handle
+                    # call reaches one replica only). Not awaited: a slow PrefixCache must not stall this loop.
+                    self.prefix_cache.report_replica_stats.remote(self.replica_id, self.lane, stats)
             except Exception as error:  # metrics must never take the replica down
                 logger.warning("could not publish engine metrics: %s", error)
             await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Ray Serve asks each replica for these periodically; the prefix-affinity request router weighs KV usage."""
+        return {KV_USAGE_STAT: self.engine.stats().kv_cache_usage}
 
     async def stats(self) -> dict[str, Any]:
         engine_stats = self.engine.stats()
@@ -256,12 +253,16 @@ class LaneReplica:
             "max_inflight_by_class": dict(self.max_inflight_by_class),
             "held_for_kv_headroom": self.held_for_kv,
             "gate_waits_by_class": dict(self.gate_waits_by_class),
+            "prefix_feed": self.prefix_feed.stats(),
         }
 
     def __del__(self):
         task = getattr(self, "_metrics_task", None)
         if task is not None:
             task.cancel()
+        feed = getattr(self, "prefix_feed", None)
+        if feed is not None:
+            feed.close()
         tracing = getattr(self, "tracing", None)
         if tracing is not None:
             tracing.shutdown()

@@ -137,6 +137,13 @@ ROUTER_DECISION = MetricSpec(
     ("request_class",),
     ROUTER_DECISION_BUCKETS_S,
 )
+REPLICA_ROUTING = MetricSpec(
+    "llm_lanes_replica_routing_seconds",
+    "histogram",
+    "Choosing a lane replica (prefix-index lookup + load), per decision, by the policy's reason.",
+    ("lane", "reason"),
+    ROUTER_DECISION_BUCKETS_S,
+)
 KV_CACHE_USAGE = MetricSpec(
     "llm_lanes_kv_cache_usage",
     "gauge",
@@ -169,6 +176,7 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     KV_CACHE_USAGE,
     PREFIX_CACHE_HIT_RATE,
     BATCH_BACKLOG,
+    REPLICA_ROUTING,
 )
 METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRIC_SPECS}
 
@@ -248,6 +256,9 @@ class LlmLanesMetrics:
 
     def observe_router_decision(self, seconds: float, *, request_class: Any) -> None:
         self._observe(ROUTER_DECISION, seconds, request_class=request_class)
+
+    def observe_replica_routing(self, seconds: float, *, lane: str, reason: str) -> None:
+        self._observe(REPLICA_ROUTING, seconds, lane=lane, reason=reason)
 
     # Lane replicas: engine state (replica label from Serve).
     def set_kv_cache_usage(self, fraction: float, *, lane: Any) -> None:

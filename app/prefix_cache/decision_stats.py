@@ -34,6 +34,8 @@ class DecisionStats:
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(DECISION_TIME_BUCKETS_MS) + 1))
     recent_ms: deque = field(default_factory=lambda: deque(maxlen=DECISION_TIME_WINDOW))
     reasons: dict[str, int] = field(default_factory=dict)
+    # Prefix-index lookups by outcome: ok / unavailable (no handle yet) / timeout / error.
+    lookup_outcomes: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, decision: RoutingDecision, elapsed_s: float) -> None:
@@ -54,11 +56,13 @@ class DecisionStats:
         with self._lock:
             buckets = dict(zip([*map(str, DECISION_TIME_BUCKETS_MS), "+Inf"], self.bucket_counts))
             reasons = dict(self.reasons)
+            lookups = dict(self.lookup_outcomes)
         return {
             "p50_ms": self.percentile_ms(0.5),
             "p99_ms": self.percentile_ms(0.99),
             "buckets_ms": buckets,
             "reasons": reasons,
+            "lookups": lookups,
         }
 
 
@@ -71,6 +75,13 @@ def decision_stats(deployment_name: str) -> DecisionStats:
     """The stats shared by every router of `deployment_name` in this process."""
     with _REGISTRY_LOCK:
         return _STATS.setdefault(deployment_name, DecisionStats())
+
+
+def all_decision_stats() -> dict[str, dict[str, Any]]:
+    """deployment -> snapshot, for every deployment routed from this process."""
+    with _REGISTRY_LOCK:
+        stats = dict(_STATS)
+    return {name: value.snapshot() for name, value in sorted(stats.items())}
 
 
 def add_decision_observer(observer: DecisionObserver) -> None:

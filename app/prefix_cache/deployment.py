@@ -1,43 +1,52 @@
-"""PrefixCache: the one prefix index shared by both lanes. Advisory state: losing it never fails a request."""
+"""PrefixCache: the one prefix index shared by both lanes. Advisory state: losing it never fails a request.
+
+Thin glue around SharedPrefixState (shared_state.py); a background task expires approximate-feed entries and
+forgets replicas that stopped reporting.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
+import asyncio
 from typing import Any
 
 from ray import serve
 
 from app.config import load_app_config
-from app.prefix_cache.index import PrefixIndex
+from app.prefix_cache.shared_state import SharedPrefixState
+
+HOUSEKEEPING_INTERVAL_S = 5.0
 
 
 @serve.deployment(name="PrefixCache")
 class PrefixCache:
     def __init__(self, app_args: dict[str, Any]):
-        cfg = load_app_config(app_args)
-        self.index = PrefixIndex(max_entries=cfg.prefix_cache.max_entries)
-        self.replica_lanes: dict[str, str] = {}
-        self.blocks_recorded: Counter[str] = Counter()
+        self.state = SharedPrefixState(load_app_config(app_args))
+        self._housekeeping = asyncio.get_event_loop().create_task(self._housekeep_forever())
 
-    def record(self, replica_id: str, lane: str, hashes: list[int]) -> None:
-        self.replica_lanes[replica_id] = lane
-        self.blocks_recorded[replica_id] += len(hashes)
-        self.index.add(replica_id, hashes)
+    async def _housekeep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            self.state.expire_approximate()
+            self.state.forget_stale_replicas()
 
-    def remove(self, replica_id: str, hashes: list[int]) -> None:
-        self.index.remove(replica_id, hashes)
+    def apply_update(self, replica_id: str, lane: str, adds: list[int], removes: list[int], cleared: bool) -> str:
+        return self.state.apply_update(replica_id, lane, adds, removes, cleared)
 
-    def forget_replica(self, replica_id: str) -> None:
-        self.index.remove_replica(replica_id)
-        self.replica_lanes.pop(replica_id, None)
+    def observe_prompt(self, replica_id: str, lane: str, token_ids: list[int], block_size: int,
+                       record_blocks: bool) -> None:
+        self.state.observe_prompt(replica_id, lane, token_ids, block_size, record_blocks)
 
     def lookup(self, hashes: list[int], block_size: int) -> list[tuple[str, int]]:
-        return [(m.replica_id, m.matched_tokens) for m in self.index.longest_matches(hashes, block_size)]
+        return self.state.lookup(hashes, block_size)
+
+    def pinned_prefixes(self) -> list[list[int]]:
+        return self.state.pinned_prefixes()
+
+    def report_replica_stats(self, replica_id: str, lane: str, stats: dict[str, Any]) -> None:
+        self.state.report_replica_stats(replica_id, lane, stats)
+
+    def replica_stats(self) -> dict[str, list[dict[str, Any]]]:
+        return self.state.replica_stats()
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "entries": len(self.index),
-            "evictions": self.index.evictions,
-            "replicas": {r: {"lane": lane, "blocks_recorded": self.blocks_recorded[r]}
-                         for r, lane in self.replica_lanes.items()},
-        }
+        return self.state.stats()

@@ -97,6 +97,23 @@ class PrefixIndex:
                 if not entry.replicas:
                     del self._entries[block]
 
+    def expire_unused(self, max_idle_s: float) -> int:
+        """Drop entries neither added nor looked up for `max_idle_s` (the approximate feed's TTL); how many."""
+        cutoff = self._clock() - max_idle_s
+        with self._lock:
+            stale = [block for block, entry in self._entries.items() if entry.last_used < cutoff]
+            for block in stale:
+                del self._entries[block]
+        return len(stale)
+
+    def blocks_by_replica(self) -> dict[str, int]:
+        with self._lock:
+            counts: dict[str, int] = {}
+            for entry in self._entries.values():
+                for replica in entry.replicas:
+                    counts[replica] = counts.get(replica, 0) + 1
+            return counts
+
     def longest_matches(self, hashes: Sequence[BlockHash], block_size: int) -> list[Match]:
         """Matched prefix length per replica, longest first. A replica matches block i only if it matched 0..i-1."""
         now = self._clock()

@@ -328,6 +328,12 @@ class KVEventSubscriber:
     async def ready(self) -> None:
         await self._ready.wait()
 
+    def cancel(self) -> None:
+        """Stop without waiting (for synchronous teardown)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

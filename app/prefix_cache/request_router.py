@@ -84,18 +84,29 @@ def extract_prompt_token_ids(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> 
 
 
 async def lookup_with_budget(
-    lookup: PrefixLookup | None, hashes: list[BlockHash], block_size: int, timeout_s: float
+    lookup: PrefixLookup | None, hashes: list[BlockHash], block_size: int, timeout_s: float,
+    outcomes: dict[str, int] | None = None,
 ) -> dict[str, int] | None:
-    """replica id -> matched tokens, or None when there is no lookup yet, it timed out or it failed."""
+    """replica id -> matched tokens, or None when there is no lookup yet, it timed out or it failed. Each outcome
+    (ok / unavailable / timeout / error) is counted in `outcomes` when given: "lookup_failed" has three causes."""
+
+    def count(outcome: str) -> None:
+        if outcomes is not None:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
     if lookup is None:
+        count("unavailable")
         return None
     try:
         matches = await asyncio.wait_for(lookup(hashes, block_size), timeout=timeout_s)
     except asyncio.TimeoutError:
+        count("timeout")
         return None
     except Exception as error:  # a dead PrefixCache is routine here: route on load
+        count("error")
         logger.debug("prefix lookup failed: %r", error)
         return None
+    count("ok")
     return {str(replica_id): int(tokens) for replica_id, tokens in matches}
 
 
@@ -220,6 +231,9 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         started = time.perf_counter()
+        # Create the PrefixCache handle at the first routed call of any kind (stats, short prompts), so it is
+        # ready, with its replicas known, by the time the first long prompt needs a lookup.
+        self._ensure_prefix_lookup()
         if pending_request is not None:
             # Back off between retries when every candidate is full instead of spinning (and re-looking-up).
             pending_request.routing_context.should_backoff = True
@@ -229,10 +243,10 @@ class PrefixAffinityRouter(RequestRouter):
         hashes: list[BlockHash] = []
         matched: dict[str, int] | None = None
         if len(token_ids) >= self.policy.min_prefix_tokens:
-            self._ensure_prefix_lookup()
             hashes = block_hashes(token_ids, self.block_size)
             matched, loads = await asyncio.gather(
-                lookup_with_budget(self._lookup, hashes, self.block_size, self.lookup_timeout_s),
+                lookup_with_budget(self._lookup, hashes, self.block_size, self.lookup_timeout_s,
+                                   self.stats.lookup_outcomes),
                 self._candidate_loads(candidate_replicas),
             )
         else:

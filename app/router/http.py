@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
 from app.config import load_app_config
+from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated, SamplingOptions
 from app.observability.metrics import LANE_NONE, tpot_seconds
 from app.observability.tracing import (
@@ -37,6 +38,8 @@ from app.observability.tracing import (
     Tracing,
     carrier_from_grpc_metadata,
 )
+from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
+from app.prefix_cache.index import block_hashes
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
@@ -277,6 +280,10 @@ class Generation:
 
     def headers(self) -> dict[str, str]:
         headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
+        first = self._first or self.last
+        if first is not None and first.replica_id:
+            # Which engine replica serves it: lets operators (and the prefix-affinity tests) see routing.
+            headers["x-llm-lanes-replica"] = first.replica_id
         if self.reasons:
             headers["x-llm-lanes-degraded"] = ",".join(self.reasons)
         return headers
@@ -396,6 +403,9 @@ class Router:
         self.lanes = {"hot": hot_lane, "cold": cold_lane} if cold_lane is not None else {"hot": hot_lane}
         self.control = TrafficControl(self.cfg)
         self.prefix_cache = prefix_cache
+        # The lanes' request routers run in this process (they route this Router's handle calls): their decision
+        # times become the llm_lanes_replica_routing_seconds histogram.
+        add_decision_observer(self._observe_replica_routing)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_source)
         batch = self.cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
@@ -409,6 +419,10 @@ class Router:
         )
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
+
+    def _observe_replica_routing(self, deployment: str, decision, elapsed_s: float) -> None:
+        lane = {"HotLane": "hot", "ColdLane": "cold"}.get(deployment, deployment)
+        self.metrics.observe_replica_routing(elapsed_s, lane=lane, reason=decision.reason.value)
 
     async def _publish_backlog_metrics_forever(self) -> None:
         """Batch backlog (read from the shared store) and this replica's admission queue depths, as gauges."""
@@ -469,7 +483,9 @@ class Router:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _completion_token_ids(self, body: api.CompletionRequest) -> list[int]:
-        prompt = body.prompt
+        return self._prompt_token_ids(body.prompt)
+
+    def _prompt_token_ids(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise api.OpenAIError(400, "send one prompt per request (a list of several is not supported)",
@@ -490,20 +506,40 @@ class Router:
 
     @fastapi_app.get("/v1/admin/stats")
     async def admin_stats(self) -> dict[str, Any]:
-        async def ask(handle):
+        async def ask(handle, method: str):
             try:
-                return await asyncio.wait_for(handle.stats.remote(), timeout=5)
+                return await asyncio.wait_for(getattr(handle, method).remote(), timeout=5)
             except Exception as error:
                 return {"error": str(error)}
 
         names = list(self.lanes)
-        *lanes, prefix = await asyncio.gather(*(ask(self.lanes[n]) for n in names), ask(self.prefix_cache))
+        *live, prefix, registry = await asyncio.gather(
+            *(ask(self.lanes[n], "stats") for n in names), ask(self.prefix_cache, "stats"),
+            ask(self.prefix_cache, "replica_stats"))
         return {
-            "lanes": {name: [stats] for name, stats in zip(names, lanes)},
+            "lanes": {name: merge_replica_stats(answer, registry.get(name, []) if "error" not in registry else [])
+                      for name, answer in zip(names, live)},
             "prefix_cache": prefix,
             "router": {"breakers": self.control.breaker_states(), "queued_by_class": self.control.queue_depths(),
-                       "batch_window": self.dispatcher.window.size},
+                       "batch_window": self.dispatcher.window.size,
+                       # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
+                       "replica_routing": all_decision_stats()},
         }
+
+    @fastapi_app.post("/v1/admin/prefix_lookup")
+    async def admin_prefix_lookup(self, request: Request) -> dict[str, Any]:
+        """Which replicas hold how much of this prompt's prefix: {"prompt": str | [token ids]} -> matches."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise api.OpenAIError(400, "body is not JSON", code="invalid_json") from None
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), (str, list)):
+            raise api.OpenAIError(400, "send {\"prompt\": <text or token ids>}", param="prompt")
+        token_ids = self._prompt_token_ids(body["prompt"])
+        block_size = self.cfg.hot_lane.engine.block_size
+        matches = await self.prefix_cache.lookup.remote(block_hashes(token_ids, block_size), block_size)
+        return {"prompt_tokens": len(token_ids), "block_size": block_size,
+                "matches": [{"replica_id": replica, "matched_tokens": tokens} for replica, tokens in matches]}
 
     # ---- the request path ---------------------------------------------------------------------------------
 

@@ -141,6 +141,13 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                    f"sum by (deployment) (rate(ray_vllm_prefix_cache_queries_total[{RATE}]){WORKER_JOIN})",
                    "{{deployment}}"),
         ], "percentunit", "Tokens served from the prefix cache / tokens queried, from vLLM's counters.", max_value=1),
+        panel("Replica routing: decision time p99 and reasons", [
+            target("histogram_quantile(0.99, sum by (le, lane) "
+                   f"(rate(ray_llm_lanes_replica_routing_seconds_bucket{{{APP}}}[{RATE}])))", "p99 {{lane}}"),
+            target(f"sum by (lane, reason) (rate(ray_llm_lanes_replica_routing_seconds_count{{{APP}}}[{RATE}]))",
+                   "{{lane}} {{reason}}/s"),
+        ], "s", "Prefix-affinity request router: time to pick a lane replica (index lookup + load) and why "
+                "(affinity, no_match, below_threshold, imbalanced, short_prompt, lookup_failed)."),
     ]),
 ]
 

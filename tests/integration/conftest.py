@@ -57,7 +57,11 @@ def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
 
 
 class AppProcess:
-    """`serve run CONFIG` as a child process group: start, wait until every lane answers, stop, restart."""
+    """`serve run CONFIG` as a child process group: start, wait until every lane answers, stop, restart.
+
+    One app at a time (one Ray cluster, one app name, the same ports): starting one stops any other."""
+
+    running: set["AppProcess"] = set()
 
     def __init__(self, config: Path, log_path: Path):
         self.config = config
@@ -68,6 +72,9 @@ class AppProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
+        for other in list(AppProcess.running - {self}):
+            other.stop()
+        AppProcess.running.add(self)
         log = self.log_path.open("a")
         self.process = subprocess.Popen([str(self.bin_dir / "serve"), "run", str(self.config)], cwd=ROOT,
                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -92,6 +99,7 @@ class AppProcess:
 
     def stop(self) -> None:
         """Ctrl-C to `serve run` (it shuts the app down), then make sure no Ray process is left."""
+        AppProcess.running.discard(self)
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
             try:

@@ -9,7 +9,9 @@ from app.config import AppConfig, ConfigError, load_app_config, placement_group_
 from app.lanes.engine import engine_args_dict
 from app.main import lane_deployment_options
 
-SERVE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "serve_configs").glob("*.yaml"))
+REPO = Path(__file__).resolve().parents[2]
+# Deployable configs and the benchmark-only ones under load_tests/configs: every one must validate.
+SERVE_CONFIGS = sorted(REPO.glob("serve_configs/*.yaml")) + sorted(REPO.glob("load_tests/configs/*.yaml"))
 
 
 def cpu_args(**overrides):

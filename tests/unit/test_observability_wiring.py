@@ -529,7 +529,7 @@ async def make_replica(monkeypatch, exporter: str):
     from app.observability import metrics as metrics_module
 
     monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(
-        replica_id=SimpleNamespace(unique_id="r1")))
+        replica_id=SimpleNamespace(unique_id="r1", to_full_id_str=lambda: "llm-lanes#ColdLane#r1")))
     backend = FakeMetricsModule()
     monkeypatch.setattr(metrics_module, "LlmLanesMetrics", lambda: LlmLanesMetrics(metrics_module=backend))
 
@@ -538,7 +538,7 @@ async def make_replica(monkeypatch, exporter: str):
 
     replica = object.__new__(ColdReplica)
     args = cpu_args(observability={"tracing": {"exporter": exporter}})
-    await replica.__init__(args, engine_factory=lambda cfg, lane, replica_id: FakeEngine())
+    await replica.__init__(args, engine_factory=lambda cfg, lane, replica_id, **_: FakeEngine())
     return replica, backend
 
 
