@@ -134,6 +134,9 @@ class LaneDeploymentSettings(StrictModel):
     health_check_timeout_s: float = Field(30, gt=0)
     graceful_shutdown_timeout_s: float = Field(20, ge=0)
     placement_group_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
+    # Environment of the lane's replica processes (and the engine processes they start), e.g.
+    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE to cap this lane's share of the GPU's SMs under the CUDA MPS daemon.
+    env_vars: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "LaneDeploymentSettings":

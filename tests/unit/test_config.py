@@ -164,3 +164,10 @@ def test_autoscaling_maps_to_serve_options():
     options = lane_deployment_options(cfg.cold_lane)
     assert options["num_replicas"] == "auto"
     assert options["autoscaling_config"]["max_replicas"] == 3
+
+
+def test_lane_env_vars_reach_the_replica_runtime_env():
+    cfg = load_app_config(cpu_args(**{"cold_lane.deployment.env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"}}))
+    cold = lane_deployment_options(cfg.cold_lane)["ray_actor_options"]
+    assert cold["runtime_env"] == {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"}}
+    assert "runtime_env" not in lane_deployment_options(cfg.hot_lane)["ray_actor_options"]

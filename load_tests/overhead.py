@@ -1,0 +1,580 @@
+"""What tracing and the Router cost (issue 6), measured in one run on whatever engine the base serve config names.
+
+(a) Tracing overhead. The app is started once per tracing variant from a copy of the base serve config that differs
+    only in `observability.tracing`: off (exporter none), file exporter with 100 % sampling, file exporter with 1 %
+    sampling (spans really exported, to a temporary JSON-lines file). In each, a fixed number of short chat requests
+    is sent at a fixed closed-loop concurrency after a warm-up, non-streamed (requests/s, E2E p50/p99) and streamed
+    (TTFT p50/p99).
+(b) Router overhead. In the tracing-off run, streamed TTFT through the Router's HTTP API (/v1/completions with a
+    plain prompt) is compared with calling the HotLane deployment handle directly with the same prompt tokenized by
+    the same tokenizer, as an interactive request, at the same concurrency. The two paths alternate in rounds so a
+    drift of the machine over time hits both alike.
+
+    .venv/bin/python -m load_tests.overhead --serve-config serve_configs/local.yaml \
+        --requests 400 --concurrency 8 --out load_tests/results/overhead-cpu
+
+Outputs in --out: report.json (settings, summaries, every request's record), report.md (the tables), the derived
+serve configs and their `serve run` logs. Run it from the repository root, as `load_tests.run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import datetime as dt
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from load_tests.client import RequestRecord, RequestSpec, send, words
+from load_tests.report import _num
+from load_tests.serve_runner import (
+    AppStartError,
+    ServedApp,
+    default_cleanup_commands,
+    default_start_command,
+    default_stop_commands,
+)
+from load_tests.stats import summarize_class
+
+APP_IMPORT_PATH = "app.main:build_app"
+HOT_LANE_DEPLOYMENT = "HotLane"
+REQUEST_CLASS = "interactive"  # the default class: what most chat traffic is, served by the hot lane
+REQUEST_TIMEOUT_S = 120.0
+# Each phase numbers its prompts from its own base, so no phase replays another's prompts (which could hit the
+# prefix cache); all bases have the same number of digits, so prompts keep the same length everywhere.
+PHASE_INDEX_BASE = {"chat": 1_000_000, "chat_stream": 2_000_000, "router_http": 3_000_000,
+                    "hot_lane_handle": 4_000_000, "warmup": 9_000_000}
+
+
+@dataclass(frozen=True)
+class TracingVariant:
+    name: str
+    exporter: str  # "none" or "file"
+    sample_ratio: float = 1.0
+
+    def tracing_section(self, span_file: str | None) -> dict[str, Any]:
+        if self.exporter == "none":
+            return {"exporter": "none"}
+        return {"exporter": self.exporter, "file_path": span_file, "sample_ratio": self.sample_ratio}
+
+
+TRACING_VARIANTS = {
+    variant.name: variant
+    for variant in (
+        TracingVariant("tracing-off", "none"),
+        TracingVariant("tracing-100pct", "file", 1.0),
+        TracingVariant("tracing-1pct", "file", 0.01),
+    )
+}
+BASELINE_VARIANT = "tracing-off"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Serve config: the base config with another tracing section, where to reach the app, which model and tokenizer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def llm_lanes_application(serve_config: dict[str, Any]) -> dict[str, Any]:
+    """The config's llm-lanes application (the one built by app.main:build_app)."""
+    for application in serve_config.get("applications") or []:
+        if application.get("import_path") == APP_IMPORT_PATH:
+            return application
+    raise ValueError(f"no application with import_path {APP_IMPORT_PATH} in the serve config")
+
+
+def with_tracing(serve_config: dict[str, Any], tracing: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the serve config whose llm-lanes app has this `observability.tracing` section; nothing else
+    changes (the other observability keys are kept)."""
+    derived = copy.deepcopy(serve_config)
+    args = llm_lanes_application(derived).setdefault("args", {})
+    observability = args.get("observability") or {}
+    args["observability"] = {**observability, "tracing": dict(tracing)}
+    return derived
+
+
+def app_url(serve_config: dict[str, Any]) -> str:
+    """Where the config's HTTP proxy listens, as a client on the same machine reaches it."""
+    http = serve_config.get("http_options") or {}
+    host = http.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://{host}:{http.get('port', 8000)}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Load: a closed loop over either path, one RequestRecord per request
+# --------------------------------------------------------------------------------------------------------------------
+
+Call = Callable[[int, float], Awaitable[RequestRecord]]  # (request index, run start) -> record
+
+
+async def closed_loop(call: Call, requests: int, concurrency: int,
+                      first_index: int = 0) -> tuple[list[RequestRecord], float]:
+    """`requests` calls, `concurrency` in flight at all times (until the last ones); (records, wall seconds)."""
+    run_start = time.perf_counter()
+    records: list[RequestRecord] = []
+    issued = 0
+
+    async def worker() -> None:
+        nonlocal issued
+        while issued < requests:
+            index = first_index + issued
+            issued += 1
+            records.append(await call(index, run_start))
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, requests))))
+    return records, time.perf_counter() - run_start
+
+
+def prompt_text(seed: int, index: int, n_words: int) -> str:
+    """A short prompt, the same for a given index on both paths; the leading request number keeps prompts apart
+    (no prefix-cache hits between requests)."""
+    rng = random.Random(f"{seed}:overhead:{index}")
+    return f"request {index} " + words(rng, max(1, n_words - 2))
+
+
+def http_request(index: int, prompt: str, *, model: str, endpoint: str, streaming: bool, max_tokens: int,
+                 phase: str) -> RequestSpec:
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": streaming, "ignore_eos": True}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if streaming:
+        body["stream_options"] = {"include_usage": True}
+    return RequestSpec(phase, REQUEST_CLASS, index, endpoint, streaming, body)
+
+
+async def http_phase(url: str, make_spec: Callable[[int], RequestSpec], requests: int, concurrency: int,
+                     first_index: int = 0) -> tuple[list[RequestRecord], float]:
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
+        async def call(index: int, run_start: float) -> RequestRecord:
+            # Every chunk with a choice counts as a token: the tiny model's tokens may decode to no text, and the
+            # lane's first chunk is what TTFT is about on both paths.
+            return await send(client, make_spec(index), run_start, [], REQUEST_TIMEOUT_S, count_empty_chunks=True)
+
+        return await closed_loop(call, requests, concurrency, first_index)
+
+
+async def hot_lane_call(handle: Any, lane_request: Any, phase: str, index: int, run_start: float) -> RequestRecord:
+    """One streamed generate() on the HotLane handle, recorded like an HTTP request (TTFT = first chunk)."""
+    start = time.perf_counter()
+    record = RequestRecord(phase, REQUEST_CLASS, index, True, start - run_start)
+
+    async def consume() -> None:
+        async for chunk in handle.options(stream=True).generate.remote(lane_request):
+            offset = time.perf_counter() - start
+            if record.ttft_s is None:
+                record.ttft_s = offset
+            record.chunk_offsets_s.append(offset)
+            # Cumulative counts: the last chunk holds the usage.
+            record.output_tokens = chunk.completion_tokens
+            record.prompt_tokens = chunk.prompt_tokens
+
+    try:
+        await asyncio.wait_for(consume(), REQUEST_TIMEOUT_S)
+        record.status = 200  # RequestRecord's notion of success
+        record.usage_reported = True
+    except asyncio.TimeoutError:
+        record.error = f"timeout: no complete answer within {REQUEST_TIMEOUT_S} s"
+    except Exception as error:  # noqa: BLE001 -- every failure is a recorded outcome, not a crash of the run
+        record.error = f"handle: {type(error).__name__}: {error}"[:300]
+    record.e2e_s = time.perf_counter() - start
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report shaping (pure)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def phase_summary(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
+    summary = summarize_class(records, None, [])
+    return {
+        "requests": summary["requests"],
+        "ok": summary["ok"],
+        "errors": summary["errors"],
+        "wall_s": wall_s,
+        "requests_per_s": summary["requests_per_s"],
+        "ttft_ms": summary["ttft_ms"],
+        "e2e_ms": summary["e2e_ms"],
+        "output_tokens": summary["output_tokens"],
+    }
+
+
+def difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def relative_change(value: float | None, baseline: float | None) -> float | None:
+    """(value - baseline) / baseline, e.g. 0.05 = 5 % more than the baseline."""
+    if value is None or baseline is None or baseline == 0:
+        return None
+    return (value - baseline) / baseline
+
+
+def tracing_comparison(variant: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float | None]:
+    """A tracing variant against tracing off: relative change of requests/s, absolute change of latencies (ms)."""
+    chat, chat_off = variant["phases"]["chat"], baseline["phases"]["chat"]
+    stream, stream_off = variant["phases"]["chat_stream"], baseline["phases"]["chat_stream"]
+    return {
+        "requests_per_s_change": relative_change(chat["requests_per_s"], chat_off["requests_per_s"]),
+        "e2e_p50_ms_delta": difference(chat["e2e_ms"]["p50"], chat_off["e2e_ms"]["p50"]),
+        "e2e_p99_ms_delta": difference(chat["e2e_ms"]["p99"], chat_off["e2e_ms"]["p99"]),
+        "ttft_p50_ms_delta": difference(stream["ttft_ms"]["p50"], stream_off["ttft_ms"]["p50"]),
+        "ttft_p99_ms_delta": difference(stream["ttft_ms"]["p99"], stream_off["ttft_ms"]["p99"]),
+    }
+
+
+def router_overhead(http: dict[str, Any], handle: dict[str, Any]) -> dict[str, float | None]:
+    """What the HTTP proxy + Router add to the direct handle call, in ms (Router path minus direct path)."""
+    return {
+        "ttft_p50_ms": difference(http["ttft_ms"]["p50"], handle["ttft_ms"]["p50"]),
+        "ttft_p99_ms": difference(http["ttft_ms"]["p99"], handle["ttft_ms"]["p99"]),
+        "e2e_p50_ms": difference(http["e2e_ms"]["p50"], handle["e2e_ms"]["p50"]),
+        "e2e_p99_ms": difference(http["e2e_ms"]["p99"], handle["e2e_ms"]["p99"]),
+    }
+
+
+def span_file_stats(spans: list[dict[str, Any]]) -> dict[str, int]:
+    return {
+        "spans": len(spans),
+        "traces": len({span["trace_id"] for span in spans}),
+        "request_spans": sum(span["name"] == "request" for span in spans),
+    }
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:+.1f} %"
+
+
+def _delta(value: float | None) -> str:
+    return "–" if value is None else f"{value:+,.1f}"
+
+
+def _spans(stats: dict[str, int] | None) -> str:
+    return "–" if stats is None else f"{stats['spans']:,} ({stats['traces']:,})"
+
+
+def _p50_p99(distribution: dict[str, Any]) -> str:
+    return f"{_num(distribution['p50'])} / {_num(distribution['p99'])}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    settings = report["settings"]
+    lines = [
+        "# Overhead: tracing and the Router",
+        "",
+        f"Base config `{settings['serve_config']}`, {settings['requests']} measured requests per phase after "
+        f"{settings['warmup']} warm-up, closed loop at concurrency {settings['concurrency']}, "
+        f"~{settings['prompt_words']}-word prompts, max_tokens {settings['max_tokens']} (ignore_eos), "
+        f"class {REQUEST_CLASS}. "
+        f"Started {report['started_at']} on {report['machine']['cpus']} CPUs.",
+        "",
+        "## Tracing overhead",
+        "",
+        "Non-streamed chat: requests/s and E2E; streamed chat: TTFT. Changes are against tracing off. Each "
+        f"variant sent {settings['warmup'] + 2 * settings['requests']} requests (warm-up included); the span file "
+        "shows how many were traced.",
+        "",
+        "| variant | tracing | req/s | E2E p50 / p99 (ms) | TTFT p50 / p99 (ms) | Δ req/s | Δ E2E p50 / p99 (ms) "
+        "| Δ TTFT p50 / p99 (ms) | spans (traces) exported | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in report["tracing_runs"]:
+        if run["error"]:
+            lines.append(f"| {run['variant']} | {run['tracing_label']} | failed: {run['error']} |" + " |" * 7)
+            continue
+        chat, stream = run["phases"]["chat"], run["phases"]["chat_stream"]
+        versus = run.get("versus_off") or {}
+        spans = run.get("span_file")
+        errors = sum(chat["errors"].values()) + sum(stream["errors"].values())
+        lines.append(
+            f"| {run['variant']} | {run['tracing_label']} | {_num(chat['requests_per_s'], 2)} | "
+            f"{_p50_p99(chat['e2e_ms'])} | {_p50_p99(stream['ttft_ms'])} | "
+            f"{_pct(versus.get('requests_per_s_change'))} | "
+            f"{_delta(versus.get('e2e_p50_ms_delta'))} / {_delta(versus.get('e2e_p99_ms_delta'))} | "
+            f"{_delta(versus.get('ttft_p50_ms_delta'))} / {_delta(versus.get('ttft_p99_ms_delta'))} | "
+            f"{_spans(spans)} | {errors} |"
+        )
+    lines.append("")
+
+    overhead = report.get("router_overhead")
+    lines += ["## Router overhead", ""]
+    if not overhead:
+        lines += ["Not measured (needs the tracing-off variant).", ""]
+        return "\n".join(lines)
+    if overhead.get("error"):
+        lines += [f"Failed: {overhead['error']}", ""]
+        return "\n".join(lines)
+    http, handle, diff = overhead["http"], overhead["handle"], overhead["difference_ms"]
+    lines += [
+        f"Streamed /v1/completions, {overhead['rounds']} alternating rounds per path; the direct path sends the "
+        f"prompt tokenized as the Router does ({overhead['prompt_token_mismatches']} Router prompt-token counts "
+        "differed from that tokenization).",
+        "",
+        "| path | requests (ok) | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | errors |",
+        "|---|---|---|---|---|",
+    ]
+    for title, summary in (("Router: HTTP /v1/completions", http), ("HotLane handle, direct", handle)):
+        errors = ", ".join(f"{k}: {v}" for k, v in summary["errors"].items()) or "none"
+        lines.append(f"| {title} | {summary['requests']} ({summary['ok']}) | {_p50_p99(summary['ttft_ms'])} | "
+                     f"{_p50_p99(summary['e2e_ms'])} | {errors} |")
+    lines.append(f"| **Router overhead** (difference) | | **{_delta(diff['ttft_p50_ms'])}** / "
+                 f"{_delta(diff['ttft_p99_ms'])} | {_delta(diff['e2e_p50_ms'])} / {_delta(diff['e2e_p99_ms'])} | |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    serve_config: str
+    out_dir: Path
+    requests: int
+    concurrency: int
+    warmup: int
+    max_tokens: int
+    prompt_words: int
+    rounds: int
+    seed: int
+    ready_timeout_s: float
+    variants: list[str] = field(default_factory=lambda: list(TRACING_VARIANTS))
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _log(message: str) -> None:
+    print(f"[overhead] {message}", file=sys.stderr, flush=True)
+
+
+def measure_tracing_phases(settings: Settings, url: str, model: str) -> tuple[dict[str, Any], dict[str, list]]:
+    """Warm-up, then non-streamed and streamed chat: summaries and raw records per phase."""
+
+    def chat(streaming: bool, phase: str) -> Callable[[int], RequestSpec]:
+        return lambda index: http_request(index, prompt_text(settings.seed, index, settings.prompt_words),
+                                          model=model, endpoint="chat", streaming=streaming,
+                                          max_tokens=settings.max_tokens, phase=phase)
+
+    asyncio.run(http_phase(url, chat(False, "warmup"), settings.warmup, settings.concurrency,
+                           PHASE_INDEX_BASE["warmup"]))
+    phases, records = {}, {}
+    for phase, streaming in (("chat", False), ("chat_stream", True)):
+        phase_records, wall_s = asyncio.run(
+            http_phase(url, chat(streaming, phase), settings.requests, settings.concurrency,
+                       PHASE_INDEX_BASE[phase]))
+        phases[phase] = phase_summary(phase_records, wall_s)
+        records[phase] = [r.to_json() for r in phase_records]
+        summary = phases[phase]
+        _log(f"  {phase}: {_num(summary['requests_per_s'], 2)} req/s, E2E p50 {_num(summary['e2e_ms']['p50'])} ms, "
+             f"TTFT p50 {_num(summary['ttft_ms']['p50'])} ms, errors {summary['errors'] or 'none'}")
+    return phases, records
+
+
+def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, Any],
+                            app_name: str) -> dict[str, Any]:
+    """Router (HTTP) vs the HotLane handle, streamed, same prompts, alternating rounds."""
+    # Imported here: only this measurement needs Ray, the app's types and the tokenizer.
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from app.lanes.types import LaneRequest, SamplingOptions
+    from app.router.classes import RequestClass, policy_for
+
+    model = app_config["model"]
+    tokenizer = AutoTokenizer.from_pretrained(model.get("tokenizer") or model["source"])
+    priority = policy_for(RequestClass(REQUEST_CLASS)).priority
+
+    def prompt(index: int) -> str:
+        return prompt_text(settings.seed, index, settings.prompt_words)
+
+    def lane_request(index: int, phase: str) -> LaneRequest:
+        # What the Router builds for a streamed interactive /v1/completions request on the hot lane
+        # (app/router/http.py _prepare, then Generation: priority from the route, may_spill for interactive).
+        return LaneRequest(
+            request_id=f"overhead-{phase}-{index}",
+            prompt_token_ids=tokenizer.encode(prompt(index), add_special_tokens=False),
+            sampling=SamplingOptions(max_tokens=settings.max_tokens, ignore_eos=True),
+            request_class=REQUEST_CLASS,
+            priority=priority,
+            stream=True,
+            may_spill=True,
+        )
+
+    def http_spec(index: int) -> RequestSpec:
+        return http_request(index, prompt(index), model=model["served_name"], endpoint="completions",
+                            streaming=True, max_tokens=settings.max_tokens, phase="router_http")
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as for the `serve` CLI (Ray 2.60 turns token auth on)
+    ray.init(address="auto", namespace="serve", log_to_driver=False)
+    try:
+        handle = serve.get_deployment_handle(HOT_LANE_DEPLOYMENT, app_name=app_name)
+
+        async def handle_phase(requests: int, first_index: int, phase: str) -> tuple[list[RequestRecord], float]:
+            async def call(index: int, run_start: float) -> RequestRecord:
+                return await hot_lane_call(handle, lane_request(index, phase), phase, index, run_start)
+
+            return await closed_loop(call, requests, settings.concurrency, first_index)
+
+        async def run_all() -> tuple[list[RequestRecord], list[RequestRecord], float, float]:
+            # Warm both paths (the handle's first calls set up its router and connections).
+            await handle_phase(settings.warmup, PHASE_INDEX_BASE["warmup"], "warmup")
+            await http_phase(url, http_spec, settings.warmup, settings.concurrency, PHASE_INDEX_BASE["warmup"])
+            http_records, handle_records, http_wall, handle_wall = [], [], 0.0, 0.0
+            per_round = max(1, settings.requests // settings.rounds)
+            for round_index in range(settings.rounds):
+                offset = round_index * per_round
+                records, wall = await http_phase(url, http_spec, per_round, settings.concurrency,
+                                                 PHASE_INDEX_BASE["router_http"] + offset)
+                http_records += records
+                http_wall += wall
+                records, wall = await handle_phase(per_round, PHASE_INDEX_BASE["hot_lane_handle"] + offset,
+                                                   "hot_lane_handle")
+                handle_records += records
+                handle_wall += wall
+            return http_records, handle_records, http_wall, handle_wall
+
+        http_records, handle_records, http_wall, handle_wall = asyncio.run(run_all())
+    finally:
+        ray.shutdown()
+
+    http, handle_summary = phase_summary(http_records, http_wall), phase_summary(handle_records, handle_wall)
+    # The direct path must feed the engine what the Router would: the Router's prompt token count (usage) has to
+    # equal our own tokenization of the same prompt.
+    mismatches = sum(1 for r in http_records
+                     if r.ok and r.prompt_tokens != len(tokenizer.encode(prompt(r.index), add_special_tokens=False)))
+    return {
+        "rounds": settings.rounds,
+        "http": http,
+        "handle": handle_summary,
+        "difference_ms": router_overhead(http, handle_summary),
+        "prompt_token_mismatches": mismatches,
+        "records": {"http": [r.to_json() for r in http_records], "handle": [r.to_json() for r in handle_records]},
+    }
+
+
+def run_variant(settings: Settings, base_config: dict[str, Any], variant: TracingVariant,
+                span_dir: Path) -> dict[str, Any]:
+    span_file = span_dir / f"spans-{variant.name}.jsonl"
+    derived = with_tracing(base_config, variant.tracing_section(str(span_file)))
+    config_path = settings.out_dir / f"serve-{variant.name}.yaml"
+    config_path.write_text(yaml.safe_dump(derived, sort_keys=False), encoding="utf-8")
+    application = llm_lanes_application(derived)
+    url, model = app_url(derived), application["args"]["model"]["served_name"]
+    tracing_label = ("off" if variant.exporter == "none"
+                     else f"{variant.exporter}, {variant.sample_ratio * 100:g} % sampled")
+    result: dict[str, Any] = {"variant": variant.name, "tracing_label": tracing_label,
+                              "tracing": variant.tracing_section(str(span_file)), "serve_config": str(config_path),
+                              "started_at": _now(), "error": None}
+    app = ServedApp(url, settings.out_dir / f"serve-{variant.name}.log", default_start_command(str(config_path)),
+                    stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
+                    ready_timeout_s=settings.ready_timeout_s)
+    _log(f"{variant.name}: starting `serve run {config_path}` (log: {app.log_path})")
+    try:
+        app.start()
+        result["ready_s"] = app.wait_ready()
+        _log(f"{variant.name}: ready after {result['ready_s']:.0f} s")
+        result["phases"], result["records"] = measure_tracing_phases(settings, url, model)
+        if variant.name == BASELINE_VARIANT:
+            _log(f"{variant.name}: Router vs HotLane handle")
+            try:
+                result["router_overhead"] = measure_router_overhead(settings, url, application["args"],
+                                                                    application.get("name", "llm-lanes"))
+            except Exception as error:  # noqa: BLE001 -- keep the tracing numbers when this part fails
+                _log(f"router overhead failed: {error!r}")
+                result["router_overhead"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    except AppStartError as error:
+        _log(f"{variant.name}: {error}")
+        result["error"] = str(error).splitlines()[0]
+    finally:
+        _log(f"{variant.name}: shutting down")
+        app.stop()
+    if span_file.exists():
+        from app.observability.tracing import read_span_file
+
+        result["span_file"] = span_file_stats(read_span_file(str(span_file)))
+    return result
+
+
+def build_report(settings: Settings, started_at: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    baseline = next((r for r in runs if r["variant"] == BASELINE_VARIANT and not r["error"]), None)
+    for run in runs:
+        if baseline is not None and run is not baseline and not run["error"]:
+            run["versus_off"] = tracing_comparison(run, baseline)
+    router = next((r.pop("router_overhead") for r in runs if "router_overhead" in r), None)
+    return {
+        "started_at": started_at,
+        "finished_at": _now(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "settings": settings.to_json(),
+        "tracing_runs": runs,
+        "router_overhead": router,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m load_tests.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve-config", default="serve_configs/local.yaml", help="base serve config")
+    parser.add_argument("--out", required=True, help="directory for report.json, report.md, configs and logs")
+    parser.add_argument("--requests", type=int, default=400, help="measured requests per phase (and per path)")
+    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop requests in flight")
+    parser.add_argument("--warmup", type=int, default=32, help="unmeasured requests before each measurement")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--prompt-words", type=int, default=16, help="prompt length in words (~tokens)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of Router and handle paths")
+    parser.add_argument("--variant", action="append", choices=list(TRACING_VARIANTS), default=None,
+                        help="run only these tracing variants (repeatable; default all)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models")
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--requests, --concurrency and --rounds must be >= 1, --warmup >= 0")
+
+    settings = Settings(args.serve_config, Path(args.out), args.requests, args.concurrency, args.warmup,
+                        args.max_tokens, args.prompt_words, args.rounds, args.seed, args.ready_timeout,
+                        args.variant or list(TRACING_VARIANTS))
+    base_config = yaml.safe_load(Path(settings.serve_config).read_text(encoding="utf-8"))
+    llm_lanes_application(base_config)  # fail before starting anything
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+
+    started_at = _now()
+    with tempfile.TemporaryDirectory(prefix="llm-lanes-spans-") as span_dir:
+        runs = [run_variant(settings, base_config, TRACING_VARIANTS[name], Path(span_dir))
+                for name in settings.variants]
+    report = build_report(settings, started_at, runs)
+    (settings.out_dir / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    markdown = render_markdown(report)
+    (settings.out_dir / "report.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    _log(f"report: {settings.out_dir / 'report.json'}, {settings.out_dir / 'report.md'}")
+    router = report["router_overhead"] or {}
+    return 1 if any(run["error"] for run in runs) or router.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
