@@ -101,6 +101,9 @@ class AutoscalingSettings(StrictModel):
     target_ongoing_requests: float = Field(16, gt=0)
     upscale_delay_s: float = Field(10, ge=0)
     downscale_delay_s: float = Field(60, ge=0)
+    # How often replicas report autoscaling metrics (custom ones included) and over how long Ray averages them.
+    metrics_interval_s: float = Field(10, gt=0)
+    look_back_period_s: float = Field(30, gt=0)
     # Set: replicas follow the batch backlog and engine queues (custom Ray Serve policy); unset: Ray's default
     # policy on ongoing requests (target_ongoing_requests).
     queue_depth: QueueDepthTargets | None = None

@@ -79,6 +79,8 @@ def lane_deployment_options(lane: LaneConfig, cfg: AppConfig | None = None) -> d
             "target_ongoing_requests": scaling.target_ongoing_requests,
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
+            "metrics_interval_s": scaling.metrics_interval_s,
+            "look_back_period_s": scaling.look_back_period_s,
         }
         if scaling.queue_depth:
             options["autoscaling_config"]["policy"] = {

@@ -1,0 +1,206 @@
+"""Prefix-affinity routing and queue-depth autoscaling on the real CPU engine, with more than one replica per lane.
+
+Its own app (started after every other integration module; it stops the shared test app): the hot lane has two
+replicas with small KV caches (12 MiB, 6144 tokens each) so evictions happen within seconds; the cold lane scales
+between 1 and 2 replicas on its batch backlog with short delays. The prefix index is fed exactly, by every engine's
+vLLM KV-cache events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import GRPC_PORT, HTTP_PORT, ROOT, AppProcess, wait_until
+from tests.integration.test_batch_api import wait_for_batch
+
+HOT_REPLICAS = 2
+HOT_KV_BYTES = 12 * 1024 * 1024  # 6144 tokens at 2048 bytes a token (4 layers x 1 KV head x 64 dims x K,V x fp32)
+PREFIX_TOKENS = 1056  # 33 blocks of 32: above min_prefix_tokens (1024)
+QUESTION_TOKENS = 24  # match ratio 1056 / 1080 = 0.98 >= match_threshold (0.85)
+BATCH_LINES = 48  # 3 x target_lines_per_replica: the cold lane wants 3 replicas, max_replicas caps it at 2
+
+
+def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
+    document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
+    document["http_options"]["port"] = HTTP_PORT
+    document["grpc_options"]["port"] = GRPC_PORT
+    args = document["applications"][0]["args"]
+    args["model"]["source"] = str(tiny_model)
+    hot = args["hot_lane"]
+    hot["engine"].update(max_num_seqs=4, kv_cache_memory_bytes=HOT_KV_BYTES)
+    hot["deployment"]["num_replicas"] = HOT_REPLICAS
+    cold = args["cold_lane"]
+    cold["engine"]["max_num_seqs"] = 8
+    cold["deployment"].pop("num_replicas", None)
+    cold["deployment"]["autoscaling"] = {
+        "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 6,
+        "metrics_interval_s": 1, "look_back_period_s": 3,
+        "queue_depth": {"target_lines_per_replica": 16, "target_backlog_tokens_per_replica": 10_000_000,
+                        "target_waiting_per_replica": 1000, "target_ongoing_per_replica": 1000}}
+    args["prefix_cache"].update(max_pinned_prefixes=8)
+    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5, "window_min": 4, "window_max": 8}
+    path = tmp_dir / "prefix-scaling.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture(scope="module")
+def scaling_app(tmp_path_factory, tiny_model):
+    tmp_dir = tmp_path_factory.mktemp("prefix-scaling")
+    app = AppProcess(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
+    try:
+        app.start()
+        assert wait_until(lambda: len(lanes(app.url)["hot"]) == HOT_REPLICAS, timeout_s=60), lanes(app.url)
+        yield app
+    finally:
+        app.stop()
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/v1/admin/stats", timeout=10).json()
+
+
+def lanes(url: str) -> dict[str, list[dict]]:
+    return {lane: [r for r in replicas if "replica_id" in r] for lane, replicas in stats(url)["lanes"].items()}
+
+
+def token_prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 2000 + 40 for i in range(length)]
+
+
+def shared_prefix_prompt(group: int, question: int) -> list[int]:
+    return token_prompt(group, PREFIX_TOKENS) + token_prompt(10_000 + group * 100 + question, QUESTION_TOKENS)
+
+
+def complete(url: str, model: str, prompt: list[int], service_tier: str = "default") -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": 2, "service_tier": service_tier})
+
+
+def holders(url: str, prompt: list[int]) -> dict[str, int]:
+    body = httpx.post(f"{url}/v1/admin/prefix_lookup", json={"prompt": prompt}, timeout=10).json()
+    return {m["replica_id"]: m["matched_tokens"] for m in body["matches"]}
+
+
+def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(scaling_app, served_model):
+    url = scaling_app.url
+    served = set()
+    for group in range(3):
+        replicas, cached = [], []
+        for question in range(3):
+            response = complete(url, served_model, shared_prefix_prompt(group, question))
+            assert response.status_code == 200, response.text
+            assert response.headers["x-llm-lanes-lane"] == "hot"
+            replicas.append(response.headers["x-llm-lanes-replica"])
+            cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            if question == 0:
+                # The engine's KV events reach the index within a moment; the next request is routed by it.
+                assert wait_until(lambda: holders(url, shared_prefix_prompt(group, 0)).get(replicas[0], 0)
+                                  >= PREFIX_TOKENS, timeout_s=10), holders(url, shared_prefix_prompt(group, 0))
+                # The Router process's request router learns the new index entries on its next lookup.
+        assert len(set(replicas)) == 1, (f"group {group} was spread over {replicas}; routing: "
+                                         f"{stats(url)['router']['replica_routing']}")
+        # The engine reports the shared prefix as cached for every request after the first.
+        assert all(tokens >= PREFIX_TOKENS for tokens in cached[1:]), cached
+        served.update(replicas)
+    hot = lanes(url)["hot"]
+    assert len(hot) == HOT_REPLICAS and all(r["prefix_feed"]["mode"] == "kv_events" for r in hot), hot
+    # Every replica that served a group fed the index from its engine's events.
+    assert all(r["prefix_feed"]["events"]["batches"] > 0 for r in hot if r["replica_id"] in served), hot
+
+
+def test_an_evicted_prefix_leaves_the_index(scaling_app, served_model):
+    url = scaling_app.url
+    victim = token_prompt(500, PREFIX_TOKENS + QUESTION_TOKENS)
+    response = complete(url, served_model, victim)
+    assert response.status_code == 200
+    holder = response.headers["x-llm-lanes-replica"]
+    assert wait_until(lambda: holders(url, victim).get(holder, 0) >= PREFIX_TOKENS, timeout_s=10)
+    # Fill both replicas' 6144-token caches several times over with other prompts: the victim's blocks are reused.
+    for seed in range(600, 616):
+        assert complete(url, served_model, token_prompt(seed, 1500)).status_code == 200
+    assert wait_until(lambda: holders(url, victim).get(holder, 0) < PREFIX_TOKENS, timeout_s=15), holders(url, victim)
+    removed = {r["replica_id"]: r["prefix_feed"]["events"]["removed_blocks"] for r in lanes(url)["hot"]}
+    assert removed[holder] > 0, removed
+
+
+async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, served_model):
+    import ray
+
+    url = scaling_app.url
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        response = await client.post(f"{url}/v1/completions", json={
+            "model": served_model, "prompt": shared_prefix_prompt(i % 4, i), "max_tokens": 8})
+        return response.status_code
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        requests = [asyncio.ensure_future(one(client, i)) for i in range(24)]
+        await asyncio.sleep(0.5)
+        ray.init(address="auto", logging_level="ERROR")
+        try:
+            actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "PrefixCache" in a["name"]]
+            assert len(actors) == 1, actors
+            ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+        finally:
+            ray.shutdown()
+        later = [asyncio.ensure_future(one(client, 100 + i)) for i in range(8)]
+        statuses = await asyncio.gather(*requests, *later)
+    assert statuses == [200] * 32, statuses
+    # Serve brings the PrefixCache back (empty); the engines' feeds resync it.
+    assert wait_until(lambda: stats(url)["prefix_cache"].get("entries", 0) > 0, timeout_s=60)
+
+
+def test_cold_lane_scales_out_on_backlog_warms_the_new_replica_and_scales_back(scaling_app, served_model,
+                                                                                openai_client_for):
+    url = scaling_app.url
+    client = openai_client_for(url)
+    # A prefix used three times on the cold lane (batch class): popular, so it is pinned.
+    pinned = [shared_prefix_prompt(40, q) for q in range(3)]
+    for prompt in pinned:
+        assert complete(url, served_model, prompt, service_tier="flex").status_code == 200
+    assert wait_until(lambda: PREFIX_TOKENS in stats(url)["prefix_cache"]["pinned_prefixes"], timeout_s=10)
+    (first_replica,) = [r["replica_id"] for r in lanes(url)["cold"]]
+
+    lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": served_model, "prompt": f"backlog {i}", "max_tokens": 1000,
+                                  "ignore_eos": True}}) for i in range(BATCH_LINES)]
+    uploaded = client.files.create(file=("backlog.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    backlog_at = time.monotonic()
+    assert wait_until(lambda: len(lanes(url)["cold"]) == 2, timeout_s=180), lanes(url)["cold"]
+    scaled_out_s = time.monotonic() - backlog_at
+    (new,) = [r for r in lanes(url)["cold"] if r["replica_id"] != first_replica]
+    # Warmed before it took traffic: it prefilled the pinned prefixes, and the index knows it holds them.
+    assert new["prefix_feed"]["warmup"]["prefixes"] >= 1 and new["prefix_feed"]["warmup"]["error"] is None, new
+    assert holders(url, pinned[0]).get(new["replica_id"], 0) >= PREFIX_TOKENS, holders(url, pinned[0])
+    # Requests with the pinned prefix that land on the new replica hit its cache from the first one on.
+    landed = []
+    for question in range(3, 9):
+        response = complete(url, served_model, shared_prefix_prompt(40, question), service_tier="flex")
+        assert response.status_code == 200
+        if response.headers["x-llm-lanes-replica"] == new["replica_id"]:
+            landed.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert landed and all(tokens >= PREFIX_TOKENS for tokens in landed), landed
+
+    done = wait_for_batch(client, batch.id, timeout_s=600)
+    assert done.status == "completed" and done.request_counts.completed == BATCH_LINES, done
+    drained_at = time.monotonic()
+    assert wait_until(lambda: len(lanes(url)["cold"]) == 1, timeout_s=120), lanes(url)["cold"]
+    print(f"cold lane: 1 -> 2 replicas {scaled_out_s:.1f} s after the backlog; "
+          f"2 -> 1 {time.monotonic() - drained_at:.1f} s after it drained")
+
+
+@pytest.fixture
+def openai_client_for():
+    import openai
+
+    return lambda url: openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
