@@ -89,6 +89,7 @@ def run_serve_configs(
             ready_s = app.wait_ready()
             print(f"[{label}] ready after {ready_s:.0f} s", file=sys.stderr)
             runs.append(measure(scenario, url, label, config, progress))
+            save_admin_stats(url, out_dir / f"admin-stats-{label}.json")
         except AppStartError as error:
             print(f"[{label}] {error}", file=sys.stderr)
             runs.append(RunResult(label=label, target=config, started_at=_now(), error=str(error).splitlines()[0]))
@@ -96,6 +97,17 @@ def run_serve_configs(
             print(f"[{label}] shutting down", file=sys.stderr)
             app.stop()
     return runs
+
+
+def save_admin_stats(url: str, path: Path) -> None:
+    """The app's own view after the run (GET /v1/admin/stats: engines, prefix cache, replica-routing decision times),
+    kept next to the report; best effort, the measurement does not depend on it."""
+    import httpx
+
+    try:
+        path.write_text(httpx.get(f"{url}/v1/admin/stats", timeout=10).text)
+    except httpx.HTTPError as error:
+        print(f"could not save admin stats: {error}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
