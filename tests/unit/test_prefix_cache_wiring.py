@@ -15,17 +15,7 @@ from app.prefix_cache.index import PrefixIndex, block_hashes
 from app.prefix_cache.replica_feed import ReplicaPrefixFeed
 from app.prefix_cache.shared_state import SharedPrefixState
 from tests.unit.test_config import cpu_args, error_of
-
-BLOCK = 32
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
+from tests.unit.test_popularity import BLOCK, Clock
 
 def prompt(seed: int, length: int = 1100) -> list[int]:
     return [(seed * 7919 + i) % 5000 + 3 for i in range(length)]
