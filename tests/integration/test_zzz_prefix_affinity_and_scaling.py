@@ -26,7 +26,7 @@ HOT_REPLICAS = 2
 HOT_KV_BYTES = 12 * 1024 * 1024  # 6144 tokens at 2048 bytes a token (4 layers x 1 KV head x 64 dims x K,V x fp32)
 PREFIX_TOKENS = 1056  # 33 blocks of 32: above min_prefix_tokens (1024)
 QUESTION_TOKENS = 24  # match ratio 1056 / 1080 = 0.98 >= match_threshold (0.85)
-BATCH_LINES = 48  # 3 x target_lines_per_replica: the cold lane wants 3 replicas, max_replicas caps it at 2
+BATCH_LINES = 96  # 6 x target_lines_per_replica: long enough that the new replica (~60-80 s to start on 2 cores) still finds lines to serve
 
 
 def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
