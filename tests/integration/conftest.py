@@ -36,12 +36,31 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
-def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
+def local_test_document(tiny_model: Path) -> tuple[dict, dict]:
+    """serve_configs/local.yaml on the test ports and the generated tiny model: (the document, its app's args)."""
     document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
     document["http_options"]["port"] = HTTP_PORT
     document["grpc_options"]["port"] = GRPC_PORT
     args = document["applications"][0]["args"]
     args["model"]["source"] = str(tiny_model)
+    return document, args
+
+
+def kill_the_only_replica(deployment: str) -> None:
+    """Kill the one replica actor of `deployment` (no restart of that actor: Serve must replace it)."""
+    import ray
+
+    ray.init(address="auto", logging_level="ERROR")
+    try:
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if deployment in a["name"]]
+        assert len(actors) == 1, actors
+        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    finally:
+        ray.shutdown()
+
+
+def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
+    document, args = local_test_document(tiny_model)
     # Small engines and short limits so contention, queues, deadlines and breakers show within seconds on 2 cores.
     args["hot_lane"]["engine"]["max_num_seqs"] = TEST_HOT_MAX_NUM_SEQS
     args["cold_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.integration.conftest import router_stats, wait_until
+from tests.integration.conftest import kill_the_only_replica, router_stats, wait_until
 from tests.integration.test_batch_api import batch_lines, wait_for_batch
 
 
@@ -35,18 +35,10 @@ def assert_each_line_recorded_once(openai_client, batch, count: int) -> None:
 
 def test_killing_the_cold_replica_mid_batch_loses_nothing(app_url, openai_client,
                                                                                 served_model):
-    import ray
-
     batch = submit(openai_client, served_model, 120, max_tokens=200)
     assert wait_until(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 10,
                       timeout_s=120)
-    ray.init(address="auto", logging_level="ERROR")
-    try:
-        cold = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ColdLane" in a["name"]]
-        assert len(cold) == 1, cold
-        ray.kill(ray.get_actor(cold[0]["name"], namespace=cold[0]["namespace"]), no_restart=True)
-    finally:
-        ray.shutdown()
+    kill_the_only_replica("ColdLane")
     # Whether the cold lane's breaker opens depends on whether Serve surfaces the death to in-flight calls (seen both
     # ways on 2026-12-02); that failures open it is tested on the Router's real path in
     # tests/unit/test_router_breaker_wiring.py. What must hold either way is below.

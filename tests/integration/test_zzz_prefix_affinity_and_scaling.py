@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import GRPC_PORT, HTTP_PORT, ROOT, AppProcess, wait_until
+from tests.integration.conftest import AppProcess, kill_the_only_replica, local_test_document, wait_until
 from tests.integration.test_batch_api import wait_for_batch
 
 HOT_REPLICAS = 2
@@ -30,11 +30,7 @@ BATCH_LINES = 96  # 6 x target_lines_per_replica: long enough that the new repli
 
 
 def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
-    document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
-    document["http_options"]["port"] = HTTP_PORT
-    document["grpc_options"]["port"] = GRPC_PORT
-    args = document["applications"][0]["args"]
-    args["model"]["source"] = str(tiny_model)
+    document, args = local_test_document(tiny_model)
     hot = args["hot_lane"]
     hot["engine"].update(max_num_seqs=4, kv_cache_memory_bytes=HOT_KV_BYTES)
     hot["deployment"]["num_replicas"] = HOT_REPLICAS
@@ -138,8 +134,6 @@ def test_an_evicted_prefix_leaves_the_index(scaling_app, served_model):
 
 
 async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, served_model):
-    import ray
-
     url = scaling_app.url
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
@@ -150,13 +144,7 @@ async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, s
     async with httpx.AsyncClient(timeout=120) as client:
         requests = [asyncio.ensure_future(one(client, i)) for i in range(24)]
         await asyncio.sleep(0.5)
-        ray.init(address="auto", logging_level="ERROR")
-        try:
-            actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "PrefixCache" in a["name"]]
-            assert len(actors) == 1, actors
-            ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
-        finally:
-            ray.shutdown()
+        kill_the_only_replica("PrefixCache")
         later = [asyncio.ensure_future(one(client, 100 + i)) for i in range(8)]
         statuses = await asyncio.gather(*requests, *later)
     assert statuses == [200] * 32, statuses
