@@ -58,6 +58,10 @@ class EngineSettings(StrictModel):
     # vLLM-CPU pins an engine's worker threads (VLLM_CPU_OMP_THREADS_BIND); two engines on one host need
     # disjoint bindings or they share one core. Ignored on GPU.
     cpu_threads_bind: str | None = None
+    # OS niceness (0-19) of the engine's processes. On a CPU host a batch engine at 10-19 still gets every idle
+    # cycle but yields the cores to the HTTP proxy, the Router and the hot lane when they need one
+    # (docs/benchmarks.md). 0 leaves them at the default priority.
+    cpu_nice: int = Field(0, ge=0, le=19)
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -255,6 +259,9 @@ class BatchConfig(StrictModel):
     window_max: int = Field(32, ge=1)
     target_latency_per_token_s: float = Field(0.1, gt=0)
     window_interval_s: float = Field(5, gt=0)
+    # Double the window (instead of +1) per interval until throughput stops improving: a short job reaches
+    # window_max in a few intervals rather than one slot per interval.
+    window_slow_start: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "BatchConfig":

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from app.config import AppConfig, EngineSettings
+from app.lanes.cpu_priority import renice_process_tree
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,11 @@ class VllmEngine:
             args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
         engine_args = AsyncEngineArgs(**args)
         self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=self.stat_logger_factories())
+        if self.settings.cpu_nice:
+            # The engine-core process and its worker threads exist now; this replica's own threads stay at the
+            # default priority (they stream results back to the Router).
+            changed = renice_process_tree(os.getpid(), self.settings.cpu_nice)
+            logger.info("%s lane engine: %d threads reniced to %d", self.lane, changed, self.settings.cpu_nice)
 
     def stat_logger_factories(self) -> list:
         """Our per-engine LatestSchedulerStats, plus vLLM's RayPrometheusStatLogger (ray_vllm_* on Ray's metrics

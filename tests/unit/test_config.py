@@ -171,3 +171,11 @@ def test_lane_env_vars_reach_the_replica_runtime_env():
     cold = lane_deployment_options(cfg.cold_lane)["ray_actor_options"]
     assert cold["runtime_env"] == {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"}}
     assert "runtime_env" not in lane_deployment_options(cfg.hot_lane)["ray_actor_options"]
+
+
+def test_cpu_nice_is_a_niceness_and_stays_out_of_the_engine_args():
+    message = error_of(cpu_args(**{"cold_lane.engine.cpu_nice": 25}))
+    assert "cold_lane.engine.cpu_nice" in message and "19" in message
+    cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_nice": 15}))
+    assert cfg.cold_lane.engine.cpu_nice == 15 and cfg.hot_lane.engine.cpu_nice == 0
+    assert "cpu_nice" not in engine_args_dict(cfg, cfg.cold_lane.engine)
