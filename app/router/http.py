@@ -7,6 +7,7 @@ stream the lane's answer back. Decisions live in plain modules (classes.py, open
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -124,6 +125,10 @@ CLIENT_CLOSED_STATUS = 499
 UNKNOWN_CLASS = "unknown"
 # How often each Router replica publishes the batch backlog and its admission queue depths.
 BACKLOG_METRICS_INTERVAL_S = 5.0
+# Prompts above this many characters are validated and tokenized on a worker thread, not on the event loop: on the
+# H200 a burst of 512 batch prompts of 2,048 tokens held every later request for ~3 s while the Router tokenized them
+# inline (docs/benchmarks-gpu.md). Shorter prompts stay inline, where the thread hop would cost more than it saves.
+TOKENIZE_INLINE_MAX_CHARS = 2048
 # grpc.health.v1 Watch: how often the serving status is re-checked for a change.
 HEALTH_WATCH_INTERVAL_S = 1.0
 # grpc.health.v1 service names the Router answers for ("" is the server as a whole).
@@ -407,6 +412,8 @@ class Router:
         # times become the llm_lanes_replica_routing_seconds histogram.
         add_decision_observer(self._observe_replica_routing)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_source)
+        # One thread: long prompts are tokenized one at a time, never concurrently on the shared tokenizer.
+        self._tokenize_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         batch = self.cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
         # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
@@ -414,7 +421,7 @@ class Router:
             self.batch_store, self._execute_batch_line,
             window=ConcurrencyWindow(min_size=batch.window_min, max_size=batch.window_max,
                                      target_latency_per_token_s=batch.target_latency_per_token_s,
-                                     interval_s=batch.window_interval_s),
+                                     interval_s=batch.window_interval_s, slow_start=batch.window_slow_start),
             lease_s=batch.lease_s, poll_interval_s=batch.poll_interval_s, max_attempts=batch.max_attempts,
         )
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
@@ -626,7 +633,11 @@ class Router:
         when it ends before its first chunk, and the trace context travels to the lane in the LaneRequest."""
         try:
             with record.span_for(SPAN_CLASSIFY):
-                lane_request, request_class = self._prepare(body, kind, class_header)
+                if body.prompt_size() > TOKENIZE_INLINE_MAX_CHARS:
+                    lane_request, request_class = await asyncio.get_running_loop().run_in_executor(
+                        self._tokenize_executor, self._prepare, body, kind, class_header)
+                else:
+                    lane_request, request_class = self._prepare(body, kind, class_header)
             if client_timeout_s is not None:
                 lane_request = replace(lane_request, client_timeout_s=client_timeout_s)
             if record.span is not None:
@@ -942,6 +953,7 @@ class Router:
             await asyncio.wait_for(self._dispatcher_task, timeout=10)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             pass
+        self._tokenize_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _collect(self, kind: str, request_id: str, model: str, generation: "Generation") -> dict[str, Any]:
         pieces = []

@@ -88,6 +88,11 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def prompt_size(self) -> int:
+        """Characters of message content, a cheap stand-in for the tokenization work this request needs."""
+        return sum(len(m.content) if isinstance(m.content, str) else len(str(m.content or ""))
+                   for m in self.messages)
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
@@ -95,6 +100,12 @@ class CompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def prompt_size(self) -> int:
+        """Characters of the prompt (a token id counts as 4), a cheap stand-in for the tokenization work."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        return sum(len(p) if isinstance(p, str) else 4 for p in self.prompt)
 
 
 def new_id(prefix: str) -> str:
