@@ -7,6 +7,9 @@ AIMD on measured numbers, one decision per observation interval:
 - latency within target and throughput (output tokens/s) improved by at least min_throughput_gain over the previous
   interval -> additive increase (+1, never above max_size): more concurrency is still buying throughput;
 - otherwise hold: more in flight would only add queueing.
+With slow_start (as TCP's), the window doubles instead of adding one until the first hold or shrink: a batch job
+that lasts a few intervals otherwise never gets near max_size (on the CPU a 21 s job ran at 32-37 of 64 slots,
+docs/benchmarks.md).
 Pure and deterministic: callers pass timestamps; nothing reads a clock.
 """
 
@@ -33,7 +36,8 @@ class WindowDecision:
 class ConcurrencyWindow:
     def __init__(self, min_size: int = 16, max_size: int = 32, *, initial_size: int | None = None,
                  target_latency_per_token_s: float = 0.1, decrease_factor: float = 0.5,
-                 min_throughput_gain: float = 0.02, min_samples: int = 8, interval_s: float = 5.0):
+                 min_throughput_gain: float = 0.02, min_samples: int = 8, interval_s: float = 5.0,
+                 slow_start: bool = False):
         if not 1 <= min_size <= max_size:
             raise ValueError(f"window bounds must satisfy 1 <= min_size <= max_size, got {min_size}..{max_size}")
         if not 0 < decrease_factor < 1:
@@ -48,6 +52,7 @@ class ConcurrencyWindow:
         self.min_throughput_gain = min_throughput_gain
         self.min_samples = min_samples
         self.interval_s = interval_s
+        self.slow_start = slow_start
         self._samples: list[WindowSample] = []
         self._interval_start: float | None = None
         self._previous_throughput: float | None = None
@@ -84,9 +89,11 @@ class ConcurrencyWindow:
         if latency_per_token > self.target_latency_per_token_s:
             self.size = max(self.min_size, math.floor(self.size * self.decrease_factor))
             reason = "shrink"
+            self.slow_start = False
         elif previous is None or throughput >= previous * (1 + self.min_throughput_gain):
-            self.size = min(self.max_size, self.size + 1)
+            self.size = min(self.max_size, self.size * 2 if self.slow_start else self.size + 1)
             reason = "grow"
         else:
             reason = "hold"
+            self.slow_start = False
         return WindowDecision(self.size, reason, throughput, latency_per_token)

@@ -91,3 +91,30 @@ def test_rejects_bad_bounds():
         ConcurrencyWindow(32, 16)
     with pytest.raises(ValueError):
         ConcurrencyWindow(16, 32, decrease_factor=1.0)
+
+
+def test_slow_start_doubles_until_throughput_stops_improving_then_adds_one():
+    window = ConcurrencyWindow(8, 64, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0,
+                               slow_start=True)
+    now, sizes = 0.0, []
+    for requests in (10, 12, 14):  # throughput rising: 8 -> 16 -> 32 -> 64
+        now = feed(window, now, 1.0, requests, 100, 0.05)
+        sizes.append(window.update(now).size)
+    assert sizes == [16, 32, 64]
+    # At the cap it stays; a plateau ends slow start...
+    now = feed(window, now, 1.0, 14, 100, 0.05)
+    assert window.update(now).reason == "hold" and window.slow_start is False
+    # ...after a shrink, growth is additive again.
+    now = feed(window, now, 1.0, 14, 100, 0.5)
+    assert window.update(now).size == 32
+    now = feed(window, now, 1.0, 20, 100, 0.05)
+    assert window.update(now).size == 33
+
+
+def test_slow_start_ends_on_the_first_shrink():
+    window = ConcurrencyWindow(16, 64, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0,
+                               slow_start=True)
+    now = feed(window, 0.0, 1.0, 10, 100, 0.5)  # latency above target at once
+    assert window.update(now).reason == "shrink" and window.slow_start is False
+    now = feed(window, now, 1.0, 20, 100, 0.05)
+    assert window.update(now).size == 17
