@@ -13,6 +13,12 @@
     .venv/bin/python -m load_tests.overhead --serve-config serve_configs/local.yaml \
         --requests 400 --concurrency 8 --out load_tests/results/overhead-cpu
 
+(c) Request-rate ceiling (with --rate-concurrency): in the tracing-off run, non-streamed /v1/completions of a short
+    prompt and max_tokens 1 through the Router at each closed-loop concurrency given; requests/s and E2E per level.
+    The highest requests/s is the ceiling of the path (HTTP proxy + Router + one lane call) on that host, unless the
+    load generator itself was the limit: its CPU use (process CPU seconds / wall seconds) is reported per level, and
+    a value near 1.0 means the one-process client, not the app, saturated.
+
 Outputs in --out: report.json (settings, summaries, every request's record), report.md (the tables), the derived
 serve configs and their `serve run` logs. Run it from the repository root, as `load_tests.run`.
 """
@@ -56,7 +62,7 @@ REQUEST_TIMEOUT_S = 120.0
 # Each phase numbers its prompts from its own base, so no phase replays another's prompts (which could hit the
 # prefix cache); all bases have the same number of digits, so prompts keep the same length everywhere.
 PHASE_INDEX_BASE = {"chat": 1_000_000, "chat_stream": 2_000_000, "router_http": 3_000_000,
-                    "hot_lane_handle": 4_000_000, "warmup": 9_000_000}
+                    "hot_lane_handle": 4_000_000, "rate": 5_000_000, "warmup": 9_000_000}
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ TRACING_VARIANTS = {
     )
 }
 BASELINE_VARIANT = "tracing-off"
+# The load generator is one Python process: at this share of a core (CPU seconds per wall second) it, not the app,
+# is what limits the measured request rate.
+CLIENT_BOUND_CPU = 0.9
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -274,7 +283,35 @@ def _p50_p99(distribution: dict[str, Any]) -> str:
     return f"{_num(distribution['p50'])} / {_num(distribution['p99'])}"
 
 
+def render_rate_ceiling(rate: dict[str, Any] | None) -> list[str]:
+    if not rate:
+        return []
+    lines = ["## Request-rate ceiling", "",
+             "Non-streamed /v1/completions, short prompt, max_tokens 1, through the HTTP proxy and the Router; closed "
+             "loop at each concurrency. Client CPU = the load generator's CPU seconds per wall second (near 1.0: the "
+             "client, not the app, was the limit).", "",
+             "| concurrency | requests (ok) | req/s | E2E p50 / p99 (ms) | client CPU | errors |",
+             "|---|---|---|---|---|---|"]
+    for level in rate["levels"]:
+        errors = ", ".join(f"{k}: {v}" for k, v in level["errors"].items()) or "none"
+        lines.append(f"| {level['concurrency']} | {level['requests']} ({level['ok']}) | "
+                     f"{_num(level['requests_per_s'], 1)} | {_p50_p99(level['e2e_ms'])} | "
+                     f"{_num(level['client_cpu_per_wall_s'], 2)} | {errors} |")
+    ceiling = rate["ceiling"]
+    if ceiling:
+        bound = " (the load generator was at its limit: the app's ceiling is at least this)" \
+            if ceiling["client_bound"] else ""
+        lines += ["", f"**Ceiling: {_num(ceiling['requests_per_s'], 1)} req/s** at concurrency "
+                      f"{ceiling['concurrency']}{bound}."]
+    lines.append("")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
+    return "\n".join([render_overheads(report), *render_rate_ceiling(report.get("rate_ceiling"))])
+
+
+def render_overheads(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
         "# Overhead: tracing and the Router",
@@ -358,6 +395,8 @@ class Settings:
     seed: int
     ready_timeout_s: float
     variants: list[str] = field(default_factory=lambda: list(TRACING_VARIANTS))
+    rate_concurrency: list[int] = field(default_factory=list)
+    rate_requests: int = 2000
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -477,6 +516,38 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
     }
 
 
+def measure_rate_ceiling(settings: Settings, url: str, model: str) -> dict[str, Any]:
+    """Short non-streamed completions (max_tokens 1) at each concurrency level: the path's request-rate ceiling."""
+    levels = []
+    for level, concurrency in enumerate(settings.rate_concurrency):
+        def spec(index: int) -> RequestSpec:
+            return http_request(index, prompt_text(settings.seed, index, settings.prompt_words), model=model,
+                                endpoint="completions", streaming=False, max_tokens=1, phase="rate")
+
+        first = PHASE_INDEX_BASE["rate"] + level * settings.rate_requests
+        asyncio.run(http_phase(url, spec, min(settings.warmup, settings.rate_requests), concurrency,
+                               PHASE_INDEX_BASE["warmup"] + 500_000))
+        cpu_before = time.process_time()
+        records, wall_s = asyncio.run(http_phase(url, spec, settings.rate_requests, concurrency, first))
+        client_cpu = (time.process_time() - cpu_before) / wall_s if wall_s > 0 else None
+        summary = phase_summary(records, wall_s)
+        levels.append({"concurrency": concurrency, "client_cpu_per_wall_s": client_cpu,
+                       **{k: summary[k] for k in ("requests", "ok", "errors", "wall_s", "requests_per_s", "e2e_ms")}})
+        _log(f"  rate at concurrency {concurrency}: {_num(summary['requests_per_s'], 1)} req/s, E2E p50 "
+             f"{_num(summary['e2e_ms']['p50'])} ms, client CPU {_num(client_cpu, 2)}, errors {summary['errors'] or 'none'}")
+    return {"levels": levels, "ceiling": rate_ceiling(levels)}
+
+
+def rate_ceiling(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The level with the most requests/s among those without errors (None if every level had errors)."""
+    clean = [level for level in levels if not level["errors"] and level["requests_per_s"]]
+    if not clean:
+        return None
+    best = max(clean, key=lambda level: level["requests_per_s"])
+    return {"requests_per_s": best["requests_per_s"], "concurrency": best["concurrency"],
+            "client_bound": (best["client_cpu_per_wall_s"] or 0) >= CLIENT_BOUND_CPU}
+
+
 def run_variant(settings: Settings, base_config: dict[str, Any], variant: TracingVariant,
                 span_dir: Path) -> dict[str, Any]:
     span_file = span_dir / f"spans-{variant.name}.jsonl"
@@ -507,6 +578,9 @@ def run_variant(settings: Settings, base_config: dict[str, Any], variant: Tracin
             except Exception as error:  # noqa: BLE001 -- keep the tracing numbers when this part fails
                 _log(f"router overhead failed: {error!r}")
                 result["router_overhead"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            if settings.rate_concurrency:
+                _log(f"{variant.name}: request-rate ceiling at concurrency {settings.rate_concurrency}")
+                result["rate_ceiling"] = measure_rate_ceiling(settings, url, model)
     except AppStartError as error:
         _log(f"{variant.name}: {error}")
         result["error"] = str(error).splitlines()[0]
@@ -526,6 +600,7 @@ def build_report(settings: Settings, started_at: str, runs: list[dict[str, Any]]
         if baseline is not None and run is not baseline and not run["error"]:
             run["versus_off"] = tracing_comparison(run, baseline)
     router = next((r.pop("router_overhead") for r in runs if "router_overhead" in r), None)
+    rate = next((r.pop("rate_ceiling") for r in runs if "rate_ceiling" in r), None)
     return {
         "started_at": started_at,
         "finished_at": _now(),
@@ -533,6 +608,7 @@ def build_report(settings: Settings, started_at: str, runs: list[dict[str, Any]]
         "settings": settings.to_json(),
         "tracing_runs": runs,
         "router_overhead": router,
+        "rate_ceiling": rate,
     }
 
 
@@ -549,15 +625,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternations of Router and handle paths")
     parser.add_argument("--variant", action="append", choices=list(TRACING_VARIANTS), default=None,
                         help="run only these tracing variants (repeatable; default all)")
+    parser.add_argument("--rate-concurrency", default="",
+                        help="comma-separated closed-loop concurrencies for the request-rate ceiling (e.g. 16,64,256; "
+                             "default: not measured)")
+    parser.add_argument("--rate-requests", type=int, default=2000, help="requests per rate-ceiling level")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--requests, --concurrency and --rounds must be >= 1, --warmup >= 0")
 
+    try:
+        rate_concurrency = [int(level) for level in args.rate_concurrency.split(",") if level.strip()]
+    except ValueError:
+        parser.error(f"--rate-concurrency {args.rate_concurrency!r}: give comma-separated integers, e.g. 16,64,256")
+    if any(level < 1 for level in rate_concurrency) or args.rate_requests < 1:
+        parser.error("--rate-concurrency levels and --rate-requests must be >= 1")
     settings = Settings(args.serve_config, Path(args.out), args.requests, args.concurrency, args.warmup,
                         args.max_tokens, args.prompt_words, args.rounds, args.seed, args.ready_timeout,
-                        args.variant or list(TRACING_VARIANTS))
+                        args.variant or list(TRACING_VARIANTS), rate_concurrency, args.rate_requests)
     base_config = yaml.safe_load(Path(settings.serve_config).read_text(encoding="utf-8"))
     llm_lanes_application(base_config)  # fail before starting anything
     settings.out_dir.mkdir(parents=True, exist_ok=True)

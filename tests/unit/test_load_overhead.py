@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,10 @@ from load_tests.overhead import (
     hot_lane_call,
     http_phase,
     http_request,
+    measure_rate_ceiling,
     phase_summary,
     prompt_text,
+    rate_ceiling,
     relative_change,
     render_markdown,
     router_overhead,
@@ -223,3 +226,57 @@ def test_report_and_markdown():
 
     report["router_overhead"] = None
     assert "Not measured" in render_markdown(report)
+
+
+# ---- request-rate ceiling -----------------------------------------------------------------------------------------
+
+
+def _level(concurrency, rps, errors=None, client_cpu=0.3):
+    return {"concurrency": concurrency, "requests": 10, "ok": 10, "errors": errors or {}, "wall_s": 1.0,
+            "requests_per_s": rps, "e2e_ms": {"p50": 5.0, "p99": 9.0}, "client_cpu_per_wall_s": client_cpu}
+
+
+def test_rate_ceiling_is_the_fastest_level_without_errors():
+    levels = [_level(16, 300.0), _level(64, 800.0, client_cpu=0.95), _level(256, 900.0, errors={"503": 2})]
+    assert rate_ceiling(levels) == {"requests_per_s": 800.0, "concurrency": 64, "client_bound": True}
+    assert rate_ceiling([_level(8, 10.0, errors={"timeout": 1})]) is None
+
+
+def serve_fake_app_in_a_thread():
+    """The fake OpenAI server on its own loop in a thread: measure_rate_ceiling runs asyncio.run itself."""
+    ready, loop_box = threading.Event(), {}
+
+    def run():
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(fake_app(token_delay_s=0.001))
+        loop.run_until_complete(runner.setup())
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        loop_box.update(loop=loop, runner=runner, port=sock.getsockname()[1])
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(10)
+    return loop_box, thread
+
+
+def test_measure_rate_ceiling_against_the_fake_server():
+    box, thread = serve_fake_app_in_a_thread()
+    try:
+        settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 2, 16, 8, 2, 7, 600.0,
+                            rate_concurrency=[1, 4], rate_requests=12)
+        result = measure_rate_ceiling(settings, f"http://127.0.0.1:{box['port']}", "tiny-llama")
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        thread.join(10)
+    assert [level["concurrency"] for level in result["levels"]] == [1, 4]
+    assert all(level["ok"] == 12 and level["requests_per_s"] > 0 for level in result["levels"])
+    assert result["ceiling"]["requests_per_s"] == max(level["requests_per_s"] for level in result["levels"])
+    report = {"settings": settings.to_json(), "started_at": "t", "machine": {"cpus": 2}, "tracing_runs": [],
+              "router_overhead": None, "rate_ceiling": result}
+    markdown = render_markdown(report)
+    assert "## Request-rate ceiling" in markdown and "**Ceiling:" in markdown
