@@ -211,6 +211,8 @@ stop_app() {
   fi
   timeout 90 ray stop --force >>"$dir/shutdown.log" 2>&1
   release_gpu "$dir" 60
+  # The MPS control/server logs name each client and the settings it connected with (SM share, priority).
+  [ "$MPS_STARTED" = 1 ] && cp -r "${CUDA_MPS_LOG_DIRECTORY:-/tmp/mps/log}" "$dir/mps-log" 2>/dev/null
   stop_mps
 }
 
