@@ -181,7 +181,13 @@ class BatchDispatcher:
                 await self._retry_or_fail(line, error_of(result), result)
         finally:
             self._in_flight.pop(key, None)
-        await self._finalize_if_settled(line.batch_id)
+        if not self._runs_lines_of(line.batch_id):
+            # Only a batch with none of its lines in flight here can be settled: skipping the check otherwise saves
+            # a store query (a count over the batch's open lines) per line, O(n^2) over a large batch.
+            await self._finalize_if_settled(line.batch_id)
+
+    def _runs_lines_of(self, batch_id: str) -> bool:
+        return any(in_flight_batch == batch_id for in_flight_batch, _ in self._in_flight)
 
     async def _retry_or_fail(self, line: ClaimedLine, error: dict[str, str], response: dict | None) -> None:
         if line.attempts < self.max_attempts:

@@ -80,6 +80,20 @@ async def test_200_line_batch_records_every_custom_id_once(db_path):
     store.close()
 
 
+async def test_settlement_is_checked_only_when_no_line_of_the_batch_is_left_in_flight(db_path):
+    store = SqliteBatchStore(db_path)
+    batch = make_batch(store, 100)
+    checks = []
+    finalize = store.finalize_batch
+    store.finalize_batch = lambda batch_id: checks.append(batch_id) or finalize(batch_id)
+    dispatcher = BatchDispatcher(store, FakeEngine(), window=ConcurrencyWindow(16, 16), poll_interval_s=0.01)
+    await dispatcher.run_until_idle()
+    assert store.get_batch(batch.id).status == "completed" and dispatcher.stats.finalized_batches == 1
+    # Not once per line: only when the dispatcher's in-flight set held no other line of the batch.
+    assert 1 <= len(checks) < 20, len(checks)
+    store.close()
+
+
 async def test_window_size_bounds_concurrency(db_path):
     store = SqliteBatchStore(db_path)
     make_batch(store, 40)
