@@ -58,9 +58,9 @@ class EngineSettings(StrictModel):
     # vLLM-CPU pins an engine's worker threads (VLLM_CPU_OMP_THREADS_BIND); two engines on one host need
     # disjoint bindings or they share one core. Ignored on GPU.
     cpu_threads_bind: str | None = None
-    # OS niceness (0-19) of the engine's processes. On a CPU host a batch engine at 10-19 still gets every idle
-    # cycle but yields the cores to the HTTP proxy, the Router and the hot lane when they need one
-    # (docs/benchmarks.md). 0 leaves them at the default priority.
+    # OS niceness (0-19) of the engine's processes. Ray starts its workers at 15; on a CPU host a batch engine at
+    # 16-19 still gets every idle cycle but yields the cores to the HTTP proxy, the Router and the hot lane when they
+    # need one (app/lanes/cpu_priority.py; measured in docs/benchmarks.md). 0 leaves them as Ray started them.
     cpu_nice: int = Field(0, ge=0, le=19)
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 

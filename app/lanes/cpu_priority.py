@@ -3,9 +3,9 @@
 On a CPU host the engines compete for the same cores as Serve's HTTP proxy, the Router and the other lane. vLLM-CPU
 keeps its worker threads busy between steps, so a saturated batch engine takes every cycle it can get, and a request
 spends its time to first token waiting for a core in the proxy or the Router rather than in the hot engine. A
-cold-lane engine at a higher niceness still gets every idle cycle, but yields the core whenever something at normal
-priority is runnable: the lanes' separation applied to the CPU scheduler. Only ever raised (nicer): lowering it needs
-privileges, and the latency-critical processes stay at the default 0.
+cold-lane engine at a higher niceness still gets every idle cycle, but yields the core whenever something less nice
+is runnable: the lanes' separation applied to the CPU scheduler. Ray starts every worker process (proxy, replicas,
+engines) at niceness 15, so only 16-19 change anything. Only ever raised: lowering it needs privileges.
 
 Linux niceness is per thread, and threads inherit it when created. The engine's worker threads already exist when
 this runs (after the engine started), so every thread of every descendant process is set.
