@@ -138,6 +138,7 @@ class BatchDispatcher:
             key = (line.batch_id, line.line_no)
             self._in_flight[key] = asyncio.create_task(self._run_line(line), name=f"batch-line-{key}")
         if not claimed and not self._in_flight:
+            self.window.restart()
             await self._store_call(self.store.expire_overdue_batches)
         return len(claimed)
 

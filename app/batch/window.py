@@ -53,9 +53,20 @@ class ConcurrencyWindow:
         self.min_samples = min_samples
         self.interval_s = interval_s
         self.slow_start = slow_start
+        self._initial_size = self.size
+        self._initial_slow_start = slow_start
         self._samples: list[WindowSample] = []
         self._interval_start: float | None = None
         self._previous_throughput: float | None = None
+
+    def restart(self) -> None:
+        """Back to the initial size and slow start, with no measurements: called when the dispatcher has gone idle,
+        so the next job is measured on its own (as TCP restarts slow start after an idle period). Without it, the
+        low-throughput interval at a job's tail would end slow start for good and the next job would start from
+        wherever the last one left the window."""
+        self.size = self._initial_size
+        self.slow_start = self._initial_slow_start
+        self._samples, self._interval_start, self._previous_throughput = [], None, None
 
     def begin(self, now: float) -> None:
         """Start the first observation interval (when dispatching starts); later intervals start themselves."""

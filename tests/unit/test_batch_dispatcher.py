@@ -94,6 +94,16 @@ async def test_settlement_is_checked_only_when_no_line_of_the_batch_is_left_in_f
     store.close()
 
 
+async def test_window_restarts_when_the_queue_runs_dry(db_path):
+    store = SqliteBatchStore(db_path)
+    make_batch(store, 40)
+    window = ConcurrencyWindow(4, 16, slow_start=True, min_samples=2, interval_s=0.01)
+    dispatcher = BatchDispatcher(store, FakeEngine(delay_s=(0.005, 0.01)), window=window, poll_interval_s=0.01)
+    await dispatcher.run_until_idle()
+    assert window.size == 4 and window.slow_start is True  # the next job starts from the bottom again
+    store.close()
+
+
 async def test_window_size_bounds_concurrency(db_path):
     store = SqliteBatchStore(db_path)
     make_batch(store, 40)

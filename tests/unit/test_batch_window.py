@@ -118,3 +118,18 @@ def test_slow_start_ends_on_the_first_shrink():
     assert window.update(now).reason == "shrink" and window.slow_start is False
     now = feed(window, now, 1.0, 20, 100, 0.05)
     assert window.update(now).size == 17
+
+
+def test_restart_after_idle_measures_the_next_job_afresh():
+    window = ConcurrencyWindow(8, 64, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0,
+                               slow_start=True)
+    now = feed(window, 0.0, 1.0, 10, 100, 0.05)
+    window.update(now)
+    now = feed(window, now, 1.0, 4, 100, 0.05)  # the job's tail: throughput falls, slow start ends
+    assert window.update(now).reason == "hold" and window.slow_start is False and window.size == 16
+    window.restart()
+    assert window.size == 8 and window.slow_start is True
+    # The next job's first interval starts when it begins, and doubles again.
+    now = feed(window, now + 100.0, 1.0, 10, 100, 0.05)
+    decision = window.update(now)
+    assert decision.size == 16 and decision.throughput_tok_s == pytest.approx(1000.0)
