@@ -24,7 +24,9 @@
 #
 # Settings (environment): CALL_T0 (unix time the device call began; default: now), CALL_BUDGET_S (570),
 # PHASE_EST_S (seconds a serving phase needs, 240), READY_TIMEOUT_S (420), SCENARIOS ("gpu_mixed"; e.g.
-# "gpu_mixed gpu_shared_prefix"), SCENARIO_DIR (load_tests/scenarios), CAMPAIGN_DIR (/tmp/campaign), PY (python3).
+# "gpu_mixed gpu_shared_prefix"), SCENARIO_DIR (load_tests/scenarios), CAMPAIGN_DIR (/tmp/campaign), PY (python3),
+# DIRECT_INGRESS (1: Ray Serve's direct ingress for every serving phase of this invocation: the load generator sends
+# the scenarios to the Router replicas' own ports, not through the HTTP proxy; phases are named <label>-di).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,6 +43,7 @@ PHASE_EST_S=${PHASE_EST_S:-240}
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-420}
 SCENARIOS=${SCENARIOS:-gpu_mixed}
 SCENARIO_DIR=${SCENARIO_DIR:-load_tests/scenarios}
+DIRECT_INGRESS=${DIRECT_INGRESS:-0}
 # Kept free at the end of a call for the summary, the tarball and the copy into $OUT.
 FINALIZE_RESERVE_S=30
 # GPU memory (MiB) under which the GPU counts as released after a phase.
@@ -77,10 +80,12 @@ config_for() {
   esac
 }
 label_for() {
+  local suffix=""
+  [ "$DIRECT_INGRESS" = 1 ] && suffix="-di"
   case "$1" in
-    config=*) basename "${1#config=}" .yaml ;;
-    config-mps=*) echo "$(basename "${1#config-mps=}" .yaml)-mps" ;;
-    *) echo "$1" ;;
+    config=*) echo "$(basename "${1#config=}" .yaml)$suffix" ;;
+    config-mps=*) echo "$(basename "${1#config-mps=}" .yaml)-mps$suffix" ;;
+    *) echo "$1$suffix" ;;
   esac
 }
 
@@ -279,6 +284,7 @@ run_serving_phase() {
   # A call cut off at its time limit can leave Ray (started in its own sessions) and engines behind.
   timeout 60 ray stop --force >"$dir/ray-start.log" 2>&1
   release_gpu "$dir"
+  if [ "$DIRECT_INGRESS" = 1 ]; then export RAY_SERVE_ENABLE_DIRECT_INGRESS=1; else unset RAY_SERVE_ENABLE_DIRECT_INGRESS; fi
   t=$(date +%s)
   timeout 120 ray start --head --num-gpus 1 --disable-usage-stats --dashboard-host 127.0.0.1 >>"$dir/ray-start.log" 2>&1 \
     || { status="ray_start_failed"; log "[$label] ray start failed: $(tail -3 "$dir/ray-start.log" | tr '\n' ' ')"; }
@@ -306,12 +312,19 @@ run_serving_phase() {
       "$PY" -m load_tests.gpu_campaign sample-stats --url "$URL" --out "$dir/stats.jsonl" --interval 2 \
         >/dev/null 2>&1 &
       STATS_SAMPLER_PID=$!
+      local target=$URL
+      if [ "$DIRECT_INGRESS" = 1 ]; then
+        target=$("$PY" -m load_tests.direct_ingress urls --log "$dir/serve.log" --timeout 60 \
+          --expect "$("$PY" -c 'import sys, yaml; from load_tests.direct_ingress import router_replicas; print(router_replicas(yaml.safe_load(open(sys.argv[1]))))' "$config")" \
+          2>>"$LOG") || { log "[$label] no direct-ingress ports found; using the proxy"; target=$URL; }
+        log "[$label] scenarios go to $target"
+      fi
       t=$(date +%s)
       for sc in $SCENARIOS; do
         budget=$(( $(remaining_s) - 60 ))
         if [ "$budget" -lt 90 ]; then log "[$label] no time left for scenario $sc"; status="partial"; break; fi
         log "[$label] scenario $sc (at most ${budget}s)"
-        timeout "$budget" "$PY" -m load_tests.run --scenario "$SCENARIO_DIR/$sc.yaml" --url "$URL" --label "$label" \
+        timeout "$budget" "$PY" -m load_tests.run --scenario "$SCENARIO_DIR/$sc.yaml" --url "$target" --label "$label" \
           --out "$dir/$sc" --no-progress >"$dir/$sc.log" 2>&1 \
           || { log "[$label] scenario $sc exited $? (see $sc.log)"; status="partial"; }
       done

@@ -13,8 +13,12 @@
     .venv/bin/python -m load_tests.overhead --serve-config serve_configs/local.yaml \
         --requests 400 --concurrency 8 --out load_tests/results/overhead-cpu
 
+    With --direct-ingress the app is started with Ray Serve's direct ingress (load_tests/direct_ingress.py) and a
+    third path alternates with the two: the Router replicas' own HTTP ports, without the proxy hop (the proxy keeps
+    answering on its port, so all three paths are measured on one running app).
 (c) Request-rate ceiling (with --rate-concurrency): in the tracing-off run, non-streamed /v1/completions of a short
     prompt and max_tokens 1 through the Router at each closed-loop concurrency given; requests/s and E2E per level.
+    With --direct-ingress each level runs on both ingress paths (proxy, then the replicas' ports).
     The highest requests/s is the ceiling of the path (HTTP proxy + Router + one lane call) on that host, unless the
     load generator itself was the limit: its CPU use (process CPU seconds / wall seconds) is reported per level, and
     a value near 1.0 means the one-process client, not the app, saturated.
@@ -44,6 +48,7 @@ from typing import Any
 import httpx
 import yaml
 
+from load_tests import direct_ingress
 from load_tests.client import RequestRecord, RequestSpec, send, words
 from load_tests.report import _num
 from load_tests.serve_runner import (
@@ -54,6 +59,7 @@ from load_tests.serve_runner import (
     default_stop_commands,
 )
 from load_tests.stats import summarize_class
+from load_tests.workload import ClientPool, split_urls
 
 APP_IMPORT_PATH = "app.main:build_app"
 HOT_LANE_DEPLOYMENT = "HotLane"
@@ -62,7 +68,8 @@ REQUEST_TIMEOUT_S = 120.0
 # Each phase numbers its prompts from its own base, so no phase replays another's prompts (which could hit the
 # prefix cache); all bases have the same number of digits, so prompts keep the same length everywhere.
 PHASE_INDEX_BASE = {"chat": 1_000_000, "chat_stream": 2_000_000, "router_http": 3_000_000,
-                    "hot_lane_handle": 4_000_000, "rate": 5_000_000, "warmup": 9_000_000}
+                    "hot_lane_handle": 4_000_000, "rate": 5_000_000, "router_direct": 6_000_000,
+                    "rate_direct": 7_000_000, "warmup": 9_000_000}
 
 
 @dataclass(frozen=True)
@@ -169,14 +176,22 @@ def http_request(index: int, prompt: str, *, model: str, endpoint: str, streamin
 
 async def http_phase(url: str, make_spec: Callable[[int], RequestSpec], requests: int, concurrency: int,
                      first_index: int = 0) -> tuple[list[RequestRecord], float]:
+    """`url` may list several servers, comma-separated: requests go to them round robin."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
+    clients = [httpx.AsyncClient(base_url=one, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
+               for one in split_urls(url)]
+    pool = ClientPool(clients)
+    try:
         async def call(index: int, run_start: float) -> RequestRecord:
             # Every chunk with a choice counts as a token: the tiny model's tokens may decode to no text, and the
             # lane's first chunk is what TTFT is about on both paths.
-            return await send(client, make_spec(index), run_start, [], REQUEST_TIMEOUT_S, count_empty_chunks=True)
+            return await send(pool.next(), make_spec(index), run_start, [], REQUEST_TIMEOUT_S,
+                              count_empty_chunks=True)
 
         return await closed_loop(call, requests, concurrency, first_index)
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 async def hot_lane_call(handle: Any, lane_request: Any, phase: str, index: int, run_start: float) -> RequestRecord:
@@ -283,11 +298,13 @@ def _p50_p99(distribution: dict[str, Any]) -> str:
     return f"{_num(distribution['p50'])} / {_num(distribution['p99'])}"
 
 
-def render_rate_ceiling(rate: dict[str, Any] | None) -> list[str]:
+def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False) -> list[str]:
     if not rate:
         return []
-    lines = ["## Request-rate ceiling", "",
-             "Non-streamed /v1/completions, short prompt, max_tokens 1, through the HTTP proxy and the Router; closed "
+    path = ("the Router replicas' own ports (direct ingress, no proxy)" if direct
+            else "the HTTP proxy and the Router")
+    lines = ["## Request-rate ceiling" + (", direct ingress" if direct else ""), "",
+             f"Non-streamed /v1/completions, short prompt, max_tokens 1, through {path}; closed "
              "loop at each concurrency. Client CPU = the load generator's CPU seconds per wall second (near 1.0: the "
              "client, not the app, was the limit).", "",
              "| concurrency | requests (ok) | req/s | E2E p50 / p99 (ms) | client CPU | errors |",
@@ -308,7 +325,8 @@ def render_rate_ceiling(rate: dict[str, Any] | None) -> list[str]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    return "\n".join([render_overheads(report), *render_rate_ceiling(report.get("rate_ceiling"))])
+    return "\n".join([render_overheads(report), *render_rate_ceiling(report.get("rate_ceiling")),
+                      *render_rate_ceiling(report.get("rate_ceiling_direct"), direct=True)])
 
 
 def render_overheads(report: dict[str, Any]) -> str:
@@ -367,12 +385,21 @@ def render_overheads(report: dict[str, Any]) -> str:
         "| path | requests (ok) | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | errors |",
         "|---|---|---|---|---|",
     ]
-    for title, summary in (("Router: HTTP /v1/completions", http), ("HotLane handle, direct", handle)):
+    rows = [("Router: HTTP /v1/completions via the proxy", http)]
+    if overhead.get("direct"):
+        rows.append(("Router: HTTP /v1/completions, direct ingress", overhead["direct"]))
+    rows.append(("HotLane handle, direct", handle))
+    for title, summary in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in summary["errors"].items()) or "none"
         lines.append(f"| {title} | {summary['requests']} ({summary['ok']}) | {_p50_p99(summary['ttft_ms'])} | "
                      f"{_p50_p99(summary['e2e_ms'])} | {errors} |")
-    lines.append(f"| **Router overhead** (difference) | | **{_delta(diff['ttft_p50_ms'])}** / "
+    lines.append(f"| **Router overhead** via the proxy (difference) | | **{_delta(diff['ttft_p50_ms'])}** / "
                  f"{_delta(diff['ttft_p99_ms'])} | {_delta(diff['e2e_p50_ms'])} / {_delta(diff['e2e_p99_ms'])} | |")
+    if overhead.get("direct_difference_ms"):
+        direct = overhead["direct_difference_ms"]
+        lines.append(f"| **Router overhead**, direct ingress (difference) | | **{_delta(direct['ttft_p50_ms'])}** / "
+                     f"{_delta(direct['ttft_p99_ms'])} | {_delta(direct['e2e_p50_ms'])} / "
+                     f"{_delta(direct['e2e_p99_ms'])} | |")
     lines.append("")
     return "\n".join(lines)
 
@@ -397,6 +424,7 @@ class Settings:
     variants: list[str] = field(default_factory=lambda: list(TRACING_VARIANTS))
     rate_concurrency: list[int] = field(default_factory=list)
     rate_requests: int = 2000
+    direct_ingress: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -434,8 +462,9 @@ def measure_tracing_phases(settings: Settings, url: str, model: str) -> tuple[di
 
 
 def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, Any],
-                            app_name: str) -> dict[str, Any]:
-    """Router (HTTP) vs the HotLane handle, streamed, same prompts, alternating rounds."""
+                            app_name: str, direct_url: str | None = None) -> dict[str, Any]:
+    """Router (HTTP through the proxy) vs the HotLane handle, streamed, same prompts, alternating rounds; with
+    `direct_url` (direct ingress) the Router's own ports as a third path."""
     # Imported here: only this measurement needs Ray, the app's types and the tokenizer.
     import ray
     from ray import serve
@@ -464,9 +493,12 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
             may_spill=True,
         )
 
-    def http_spec(index: int) -> RequestSpec:
+    def http_spec(index: int, phase: str = "router_http") -> RequestSpec:
         return http_request(index, prompt(index), model=model["served_name"], endpoint="completions",
-                            streaming=True, max_tokens=settings.max_tokens, phase="router_http")
+                            streaming=True, max_tokens=settings.max_tokens, phase=phase)
+
+    def direct_spec(index: int) -> RequestSpec:
+        return http_spec(index, "router_direct")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as for the `serve` CLI (Ray 2.60 turns token auth on)
     ray.init(address="auto", namespace="serve", log_to_driver=False)
@@ -479,34 +511,42 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
 
             return await closed_loop(call, requests, settings.concurrency, first_index)
 
-        async def run_all() -> tuple[list[RequestRecord], list[RequestRecord], float, float]:
-            # Warm both paths (the handle's first calls set up its router and connections).
+        async def run_all() -> dict[str, tuple[list[RequestRecord], float]]:
+            # Warm every path (the handle's first calls set up its router and connections).
             await handle_phase(settings.warmup, PHASE_INDEX_BASE["warmup"], "warmup")
             await http_phase(url, http_spec, settings.warmup, settings.concurrency, PHASE_INDEX_BASE["warmup"])
-            http_records, handle_records, http_wall, handle_wall = [], [], 0.0, 0.0
+            if direct_url:
+                await http_phase(direct_url, direct_spec, settings.warmup, settings.concurrency,
+                                 PHASE_INDEX_BASE["warmup"] + 100_000)
+            paths: dict[str, tuple[list[RequestRecord], float]] = {}
+
+            def add(path: str, result: tuple[list[RequestRecord], float]) -> None:
+                records, wall = paths.get(path, ([], 0.0))
+                paths[path] = (records + result[0], wall + result[1])
+
             per_round = max(1, settings.requests // settings.rounds)
             for round_index in range(settings.rounds):
                 offset = round_index * per_round
-                records, wall = await http_phase(url, http_spec, per_round, settings.concurrency,
-                                                 PHASE_INDEX_BASE["router_http"] + offset)
-                http_records += records
-                http_wall += wall
-                records, wall = await handle_phase(per_round, PHASE_INDEX_BASE["hot_lane_handle"] + offset,
-                                                   "hot_lane_handle")
-                handle_records += records
-                handle_wall += wall
-            return http_records, handle_records, http_wall, handle_wall
+                add("http", await http_phase(url, http_spec, per_round, settings.concurrency,
+                                             PHASE_INDEX_BASE["router_http"] + offset))
+                if direct_url:
+                    add("direct", await http_phase(direct_url, direct_spec, per_round, settings.concurrency,
+                                                   PHASE_INDEX_BASE["router_direct"] + offset))
+                add("handle", await handle_phase(per_round, PHASE_INDEX_BASE["hot_lane_handle"] + offset,
+                                                 "hot_lane_handle"))
+            return paths
 
-        http_records, handle_records, http_wall, handle_wall = asyncio.run(run_all())
+        paths = asyncio.run(run_all())
     finally:
         ray.shutdown()
 
-    http, handle_summary = phase_summary(http_records, http_wall), phase_summary(handle_records, handle_wall)
+    http_records, handle_records = paths["http"][0], paths["handle"][0]
+    http, handle_summary = phase_summary(*paths["http"]), phase_summary(*paths["handle"])
     # The direct path must feed the engine what the Router would: the Router's prompt token count (usage) has to
     # equal our own tokenization of the same prompt.
     mismatches = sum(1 for r in http_records
                      if r.ok and r.prompt_tokens != len(tokenizer.encode(prompt(r.index), add_special_tokens=False)))
-    return {
+    result = {
         "rounds": settings.rounds,
         "http": http,
         "handle": handle_summary,
@@ -514,17 +554,22 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
         "prompt_token_mismatches": mismatches,
         "records": {"http": [r.to_json() for r in http_records], "handle": [r.to_json() for r in handle_records]},
     }
+    if "direct" in paths:
+        direct = phase_summary(*paths["direct"])
+        result.update(direct_url=direct_url, direct=direct, direct_difference_ms=router_overhead(direct, handle_summary))
+        result["records"]["direct"] = [r.to_json() for r in paths["direct"][0]]
+    return result
 
 
-def measure_rate_ceiling(settings: Settings, url: str, model: str) -> dict[str, Any]:
+def measure_rate_ceiling(settings: Settings, url: str, model: str, phase: str = "rate") -> dict[str, Any]:
     """Short non-streamed completions (max_tokens 1) at each concurrency level: the path's request-rate ceiling."""
     levels = []
     for level, concurrency in enumerate(settings.rate_concurrency):
         def spec(index: int) -> RequestSpec:
             return http_request(index, prompt_text(settings.seed, index, settings.prompt_words), model=model,
-                                endpoint="completions", streaming=False, max_tokens=1, phase="rate")
+                                endpoint="completions", streaming=False, max_tokens=1, phase=phase)
 
-        first = PHASE_INDEX_BASE["rate"] + level * settings.rate_requests
+        first = PHASE_INDEX_BASE[phase] + level * settings.rate_requests
         asyncio.run(http_phase(url, spec, min(settings.warmup, settings.rate_requests), concurrency,
                                PHASE_INDEX_BASE["warmup"] + 500_000))
         cpu_before = time.process_time()
@@ -563,25 +608,34 @@ def run_variant(settings: Settings, base_config: dict[str, Any], variant: Tracin
                               "started_at": _now(), "error": None}
     app = ServedApp(url, settings.out_dir / f"serve-{variant.name}.log", default_start_command(str(config_path)),
                     stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
-                    ready_timeout_s=settings.ready_timeout_s)
+                    ready_timeout_s=settings.ready_timeout_s,
+                    env=direct_ingress.ENV if settings.direct_ingress else None)
     _log(f"{variant.name}: starting `serve run {config_path}` (log: {app.log_path})")
     try:
         app.start()
         result["ready_s"] = app.wait_ready()
         _log(f"{variant.name}: ready after {result['ready_s']:.0f} s")
+        direct_url = None
+        if settings.direct_ingress:
+            direct_url = ",".join(direct_ingress.wait_for_urls(
+                [app.log_path], direct_ingress.router_replicas(derived), direct_ingress.http_host(derived)))
+            _log(f"{variant.name}: direct ingress at {direct_url}")
         result["phases"], result["records"] = measure_tracing_phases(settings, url, model)
         if variant.name == BASELINE_VARIANT:
             _log(f"{variant.name}: Router vs HotLane handle")
             try:
                 result["router_overhead"] = measure_router_overhead(settings, url, application["args"],
-                                                                    application.get("name", "llm-lanes"))
+                                                                    application.get("name", "llm-lanes"), direct_url)
             except Exception as error:  # noqa: BLE001 -- keep the tracing numbers when this part fails
                 _log(f"router overhead failed: {error!r}")
                 result["router_overhead"] = {"error": f"{type(error).__name__}: {error}"[:300]}
             if settings.rate_concurrency:
                 _log(f"{variant.name}: request-rate ceiling at concurrency {settings.rate_concurrency}")
                 result["rate_ceiling"] = measure_rate_ceiling(settings, url, model)
-    except AppStartError as error:
+                if direct_url:
+                    _log(f"{variant.name}: request-rate ceiling, direct ingress")
+                    result["rate_ceiling_direct"] = measure_rate_ceiling(settings, direct_url, model, "rate_direct")
+    except (AppStartError, TimeoutError) as error:
         _log(f"{variant.name}: {error}")
         result["error"] = str(error).splitlines()[0]
     finally:
@@ -601,6 +655,7 @@ def build_report(settings: Settings, started_at: str, runs: list[dict[str, Any]]
             run["versus_off"] = tracing_comparison(run, baseline)
     router = next((r.pop("router_overhead") for r in runs if "router_overhead" in r), None)
     rate = next((r.pop("rate_ceiling") for r in runs if "rate_ceiling" in r), None)
+    rate_direct = next((r.pop("rate_ceiling_direct") for r in runs if "rate_ceiling_direct" in r), None)
     return {
         "started_at": started_at,
         "finished_at": _now(),
@@ -609,6 +664,7 @@ def build_report(settings: Settings, started_at: str, runs: list[dict[str, Any]]
         "tracing_runs": runs,
         "router_overhead": router,
         "rate_ceiling": rate,
+        "rate_ceiling_direct": rate_direct,
     }
 
 
@@ -629,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated closed-loop concurrencies for the request-rate ceiling (e.g. 16,64,256; "
                              "default: not measured)")
     parser.add_argument("--rate-requests", type=int, default=2000, help="requests per rate-ceiling level")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="start the app with Ray Serve's direct ingress and also measure the Router replicas' own "
+                             "ports (Router overhead and request-rate ceiling)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models")
     args = parser.parse_args(argv)
@@ -643,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rate-concurrency levels and --rate-requests must be >= 1")
     settings = Settings(args.serve_config, Path(args.out), args.requests, args.concurrency, args.warmup,
                         args.max_tokens, args.prompt_words, args.rounds, args.seed, args.ready_timeout,
-                        args.variant or list(TRACING_VARIANTS), rate_concurrency, args.rate_requests)
+                        args.variant or list(TRACING_VARIANTS), rate_concurrency, args.rate_requests,
+                        args.direct_ingress)
     base_config = yaml.safe_load(Path(settings.serve_config).read_text(encoding="utf-8"))
     llm_lanes_application(base_config)  # fail before starting anything
     settings.out_dir.mkdir(parents=True, exist_ok=True)

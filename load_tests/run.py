@@ -8,6 +8,10 @@
 
 The second form writes one report comparing the configs (ratios are first ÷ second). Run it from the repository root
 (serve configs name `app.main:build_app` and relative model paths).
+
+`--direct-ingress` (with --serve-config) starts each app with Ray Serve's direct ingress on and sends the scenario
+to the Router replicas' own ports instead of the HTTP proxy (load_tests/direct_ingress.py). In --url mode, list the
+replicas' URLs comma-separated instead.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
 from tqdm import tqdm
 
+from load_tests import direct_ingress
 from load_tests.client import RequestRecord
 from load_tests.report import RunResult, write_report
 from load_tests.scenario import Scenario, ScenarioError, load_scenario
@@ -69,11 +75,12 @@ def run_serve_configs(
     stop_commands: list[list[str]] | None = None,
     cleanup_commands: list[list[str]] | None = None,
     poll_interval_s: float = 2.0,
+    use_direct_ingress: bool = False,
 ) -> list[RunResult]:
     """One run per config, each on a freshly started app. The command arguments exist for tests (a stand-in app)."""
     runs = []
     for config in serve_configs:
-        label = Path(config).stem
+        label = Path(config).stem + ("-direct-ingress" if use_direct_ingress else "")
         app = ServedApp(
             url,
             out_dir / f"serve-{label}.log",
@@ -82,15 +89,22 @@ def run_serve_configs(
             cleanup_commands=default_cleanup_commands() if cleanup_commands is None else cleanup_commands,
             ready_timeout_s=ready_timeout_s,
             poll_interval_s=poll_interval_s,
+            env=direct_ingress.ENV if use_direct_ingress else None,
         )
         print(f"[{label}] starting `serve run {config}` (log: {app.log_path})", file=sys.stderr)
         try:
             app.start()
             ready_s = app.wait_ready()
             print(f"[{label}] ready after {ready_s:.0f} s", file=sys.stderr)
-            runs.append(measure(scenario, url, label, config, progress))
+            target_url = url
+            if use_direct_ingress:
+                serve_config = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+                target_url = ",".join(direct_ingress.wait_for_urls(
+                    [app.log_path], direct_ingress.router_replicas(serve_config), direct_ingress.http_host(serve_config)))
+                print(f"[{label}] direct ingress: {target_url}", file=sys.stderr)
+            runs.append(measure(scenario, target_url, label, config, progress))
             save_admin_stats(url, out_dir / f"admin-stats-{label}.json")
-        except AppStartError as error:
+        except (AppStartError, TimeoutError) as error:
             print(f"[{label}] {error}", file=sys.stderr)
             runs.append(RunResult(label=label, target=config, started_at=_now(), error=str(error).splitlines()[0]))
         finally:
@@ -118,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-config", action="append", default=[], metavar="CONFIG",
                         help="start the app with `serve run CONFIG`, measure, tear down; repeat to compare configs")
     parser.add_argument("--out", required=True, help="directory for report.json, report.md, PNG plots, serve logs")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="with --serve-config: start with Ray Serve's direct ingress and load the Router replicas' "
+                             "own ports, not the HTTP proxy")
     parser.add_argument("--label", default=None, help="name of the run in --url mode (default: the URL)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models = 200")
     parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
@@ -136,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     if args.serve_config:
-        runs = run_serve_configs(scenario, args.serve_config, url, out_dir, args.ready_timeout, not args.no_progress)
+        runs = run_serve_configs(scenario, args.serve_config, url, out_dir, args.ready_timeout, not args.no_progress,
+                                 use_direct_ingress=args.direct_ingress)
     else:
         runs = [measure(scenario, url, args.label or url, url, not args.no_progress)]
 

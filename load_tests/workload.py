@@ -1,11 +1,16 @@
-"""Drive a scenario against one URL: every stream's arrival process at once, one record per request."""
+"""Drive a scenario against the app: every stream's arrival process at once, one record per request.
+
+The base URL may list several servers, comma-separated (the Router replicas' own ports under direct ingress,
+load_tests/direct_ingress.py); requests then go to them in turn, as a round-robin load balancer would send them."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 
 import httpx
 
@@ -19,6 +24,25 @@ WARMUP_MAX_TOKENS = 4
 OnDone = Callable[[RequestRecord], None]
 
 
+def split_urls(base_url: str) -> list[str]:
+    """'http://a:1, http://b:2' -> ['http://a:1', 'http://b:2']; one URL is a list of one."""
+    urls = [url.strip().rstrip("/") for url in base_url.split(",") if url.strip()]
+    if not urls:
+        raise ValueError(f"no URL in {base_url!r}")
+    return urls
+
+
+class ClientPool:
+    """One HTTP client per server; `next()` hands them out round robin."""
+
+    def __init__(self, clients: list[httpx.AsyncClient]):
+        self.clients = clients
+        self._turn = itertools.cycle(clients)
+
+    def next(self) -> httpx.AsyncClient:
+        return next(self._turn)
+
+
 async def run_scenario(
     scenario: Scenario, base_url: str, on_done: OnDone | None = None
 ) -> tuple[list[RequestRecord], float]:
@@ -27,8 +51,12 @@ async def run_scenario(
     # The per-request deadline is enforced by `send`; httpx's own timeouts only guard against a dead socket.
     timeout = httpx.Timeout(scenario.request_timeout_s, connect=30.0)
     factory = PromptFactory(scenario)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
-        await _warm_up(client, scenario, factory)
+    async with AsyncExitStack() as stack:
+        pool = ClientPool([
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout))
+            for url in split_urls(base_url)
+        ])
+        await _warm_up(pool, scenario, factory)
         records: list[RequestRecord] = []
         run_start = time.perf_counter()
 
@@ -38,22 +66,23 @@ async def run_scenario(
                 on_done(record)
 
         await asyncio.gather(
-            *(_run_stream(client, scenario, factory, stream, run_start, finished) for stream in scenario.streams)
+            *(_run_stream(pool, scenario, factory, stream, run_start, finished) for stream in scenario.streams)
         )
         return records, time.perf_counter() - run_start
 
 
-async def _warm_up(client: httpx.AsyncClient, scenario: Scenario, factory: PromptFactory) -> None:
-    for i in range(scenario.warmup_requests):
+async def _warm_up(pool: ClientPool, scenario: Scenario, factory: PromptFactory) -> None:
+    # At least one request per server, so each has its connections open before the measured part.
+    for i in range(max(scenario.warmup_requests, len(pool.clients) if scenario.warmup_requests else 0)):
         stream = scenario.streams[i % len(scenario.streams)]
         spec = factory.request(stream, -1 - i)
         body = dict(spec.body, max_tokens=WARMUP_MAX_TOKENS)
         warm = RequestSpec(spec.stream, spec.request_class, spec.index, spec.endpoint, spec.streaming, body)
-        await send(client, warm, time.perf_counter(), [], scenario.request_timeout_s, scenario.count_empty_chunks)
+        await send(pool.next(), warm, time.perf_counter(), [], scenario.request_timeout_s, scenario.count_empty_chunks)
 
 
 async def _run_stream(
-    client: httpx.AsyncClient,
+    pool: ClientPool,
     scenario: Scenario,
     factory: PromptFactory,
     stream: StreamSpec,
@@ -66,7 +95,7 @@ async def _run_stream(
     timeout_s = scenario.request_timeout_s
 
     async def one(index: int) -> None:
-        finished(await send(client, factory.request(stream, index), run_start, tally, timeout_s,
+        finished(await send(pool.next(), factory.request(stream, index), run_start, tally, timeout_s,
                             scenario.count_empty_chunks))
 
     def elapsed() -> float:

@@ -1,0 +1,108 @@
+"""Ray Serve's direct ingress (Ray 2.60 feature flag): reach the Router replicas without the HTTP proxy hop.
+
+With `RAY_SERVE_ENABLE_DIRECT_INGRESS=1` in the environment of `ray start` / `serve run`, every replica of the
+ingress deployment (the Router) runs its own HTTP server on a port Ray allocates from 30000-31000 (gRPC from
+40000-41000). The head node's proxy still answers on http_options.port (8000), so both paths can be measured on
+one running app. A production setup puts a load balancer over the replica ports (or sets RAY_SERVE_ENABLE_HA_PROXY=1,
+which starts HAProxy for that); the load generator spreads its requests over the ports itself (comma-separated
+URLs, round robin).
+
+Ray announces each port in the replica's log ("Successfully started RequestProtocol.HTTP server on port N"): in the
+Router replicas' files under the Ray session's logs/serve/, which `serve run` also forwards to its own output when it
+started the cluster itself; the ports are read from there.
+
+    python -m load_tests.direct_ingress urls --expect 4 [--log serve.log] [--host 127.0.0.1] [--timeout 60]
+prints the comma-separated URLs once `--expect` Router replicas have announced a port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+# The running session's Router replica logs (the app is named llm-lanes in every serve config).
+ROUTER_REPLICA_LOGS = "/tmp/ray/session_latest/logs/serve/replica_*_Router_*.log"
+_HTTP_PORT_LINE = re.compile(r"Successfully started RequestProtocol\.HTTP server on port (\d+)")
+
+
+def http_ports_from_log(text: str) -> list[int]:
+    """Ports announced by ingress replicas, in order of announcement, without repeats."""
+    ports: list[int] = []
+    for match in _HTTP_PORT_LINE.finditer(text):
+        port = int(match.group(1))
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def router_replicas(serve_config: dict[str, Any]) -> int:
+    """How many Router replicas (direct-ingress servers) the llm-lanes app of this serve config runs."""
+    for application in serve_config.get("applications") or []:
+        if application.get("import_path") == "app.main:build_app":
+            router = (application.get("args") or {}).get("router") or {}
+            return int(router.get("num_replicas", 1))
+    return 1
+
+
+def http_host(serve_config: dict[str, Any]) -> str:
+    """The address a client on the same machine uses for the config's HTTP servers (replica servers bind there too)."""
+    host = (serve_config.get("http_options") or {}).get("host") or "127.0.0.1"
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def _read_logs(patterns: list[str]) -> str:
+    texts = []
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)) or [pattern]:
+            try:
+                texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                pass
+    return "\n".join(texts)
+
+
+def wait_for_urls(log_paths: list[str | Path], expected: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
+                  poll_s: float = 0.5, session_logs: str | None = ROUTER_REPLICA_LOGS) -> list[str]:
+    """URLs of the Router replicas' own HTTP servers once `expected` of them are in the logs (paths or glob patterns,
+    plus the running Ray session's Router logs); TimeoutError otherwise, saying what was found, so an app started
+    without the flag fails with a clear message."""
+    patterns = [str(path) for path in log_paths] + ([session_logs] if session_logs else [])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ports = http_ports_from_log(_read_logs(patterns))
+        if len(ports) >= expected:
+            return [f"http://{host}:{port}" for port in ports[:expected]]
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{', '.join(patterns)}: {len(ports)} of {expected} Router replicas announced a direct-ingress HTTP port within "
+                f"{timeout_s:.0f} s; was the app started with RAY_SERVE_ENABLE_DIRECT_INGRESS=1?")
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m load_tests.direct_ingress", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    urls = sub.add_parser("urls", help="print the Router replicas' direct-ingress URLs, comma-separated")
+    urls.add_argument("--log", action="append", default=[], help="the `serve run` output (repeatable; the Ray "
+                      f"session's Router replica logs, {ROUTER_REPLICA_LOGS}, are always read)")
+    urls.add_argument("--expect", type=int, default=1, help="Router replicas to wait for")
+    urls.add_argument("--host", default="127.0.0.1")
+    urls.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    try:
+        print(",".join(wait_for_urls(args.log, args.expect, args.host, args.timeout)))
+    except TimeoutError as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
