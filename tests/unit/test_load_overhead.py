@@ -280,3 +280,39 @@ def test_measure_rate_ceiling_against_the_fake_server():
               "router_overhead": None, "rate_ceiling": result}
     markdown = render_markdown(report)
     assert "## Request-rate ceiling" in markdown and "**Ceiling:" in markdown
+
+
+def test_markdown_with_the_direct_ingress_path():
+    settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 4, 16, 16, 2, 7, 600.0, direct_ingress=True)
+    off = _run("tracing-off", 10.0, 100.0)
+    http, direct, handle = _summary(1, (30, 60), (12, 40)), _summary(1, (28, 55), (11, 35)), _summary(1, (25, 50), (10, 30))
+    off["router_overhead"] = {"rounds": 2, "http": http, "handle": handle, "prompt_token_mismatches": 0,
+                              "difference_ms": router_overhead(http, handle), "direct": direct,
+                              "direct_url": "http://127.0.0.1:30000",
+                              "direct_difference_ms": router_overhead(direct, handle)}
+    off["rate_ceiling"] = {"levels": [_level(16, 300.0)], "ceiling": rate_ceiling([_level(16, 300.0)])}
+    off["rate_ceiling_direct"] = {"levels": [_level(16, 600.0)], "ceiling": rate_ceiling([_level(16, 600.0)])}
+    report = build_report(settings, "2026-12-03T00:00:00+00:00", [off])
+    assert report["rate_ceiling_direct"]["ceiling"]["requests_per_s"] == 600.0
+    markdown = render_markdown(report)
+    assert "| Router: HTTP /v1/completions, direct ingress | 10 (10) | 11 / 35 |" in markdown
+    assert "| **Router overhead**, direct ingress (difference) | | **+1.0** / +5.0 |" in markdown
+    assert "## Request-rate ceiling, direct ingress" in markdown and "**Ceiling: 600.0 req/s**" in markdown
+    for table in markdown.split("\n\n"):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({row.count("|") for row in rows}) <= 1, table
+
+
+def test_rate_ceiling_over_two_servers_round_robin():
+    first, first_thread = serve_fake_app_in_a_thread()
+    second, second_thread = serve_fake_app_in_a_thread()
+    try:
+        settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 2, 16, 8, 2, 7, 600.0,
+                            rate_concurrency=[4], rate_requests=12)
+        urls = f"http://127.0.0.1:{first['port']},http://127.0.0.1:{second['port']}"
+        result = measure_rate_ceiling(settings, urls, "tiny-llama", "rate_direct")
+    finally:
+        for box, thread in ((first, first_thread), (second, second_thread)):
+            box["loop"].call_soon_threadsafe(box["loop"].stop)
+            thread.join(10)
+    assert result["levels"][0]["ok"] == 12 and result["ceiling"]["requests_per_s"] > 0
