@@ -19,7 +19,7 @@ def test_record_autoscaling_stats_reads_the_shared_store_and_the_engine(tmp_path
 
     replica = object.__new__(ColdLane.func_or_class)
     replica.cfg = SimpleNamespace(batch=SimpleNamespace(store=store_path))
-    replica.engine = SimpleNamespace(stats=lambda: EngineStats(waiting=3))
+    replica.engine = SimpleNamespace(stats=lambda: EngineStats(waiting=3), shutdown=lambda: None)
     stats = replica.record_autoscaling_stats()
     assert stats[METRIC_PENDING_LINES] == 7
     assert stats[METRIC_BACKLOG_TOKENS] > 7 * 10
