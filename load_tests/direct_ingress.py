@@ -11,8 +11,9 @@ Ray announces each port in the replica's log ("Successfully started RequestProto
 Router replicas' files under the Ray session's logs/serve/, which `serve run` also forwards to its own output when it
 started the cluster itself; the ports are read from there.
 
-    python -m load_tests.direct_ingress urls --expect 4 [--log serve.log] [--host 127.0.0.1] [--timeout 60]
-prints the comma-separated URLs once `--expect` Router replicas have announced a port.
+    python -m load_tests.direct_ingress urls --serve-config CONFIG [--log serve.log] [--timeout 60]
+    python -m load_tests.direct_ingress urls --expect 4 [--host 127.0.0.1] [--log serve.log] [--timeout 60]
+print the comma-separated URLs once every Router replica of the config (or `--expect` of them) announced a port.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
+
+from load_tests.serve_runner import http_host, llm_lanes_application
 
 ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
 # The running session's Router replica logs (the app is named llm-lanes in every serve config).
@@ -42,18 +47,13 @@ def http_ports_from_log(text: str) -> list[int]:
 
 
 def router_replicas(serve_config: dict[str, Any]) -> int:
-    """How many Router replicas (direct-ingress servers) the llm-lanes app of this serve config runs."""
-    for application in serve_config.get("applications") or []:
-        if application.get("import_path") == "app.main:build_app":
-            router = (application.get("args") or {}).get("router") or {}
-            return int(router.get("num_replicas", 1))
-    return 1
-
-
-def http_host(serve_config: dict[str, Any]) -> str:
-    """The address a client on the same machine uses for the config's HTTP servers (replica servers bind there too)."""
-    host = (serve_config.get("http_options") or {}).get("host") or "127.0.0.1"
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    """How many Router replicas (direct-ingress servers) the llm-lanes app of this serve config runs (1 if the
+    config has no llm-lanes app)."""
+    try:
+        application = llm_lanes_application(serve_config)
+    except ValueError:
+        return 1
+    return int(((application.get("args") or {}).get("router") or {}).get("num_replicas", 1))
 
 
 def _read_logs(patterns: list[str]) -> str:
@@ -85,6 +85,11 @@ def wait_for_urls(log_paths: list[str | Path], expected: int, host: str = "127.0
         time.sleep(poll_s)
 
 
+def router_urls(serve_config: dict[str, Any], log_paths: list[str | Path], timeout_s: float = 60.0) -> str:
+    """The comma-separated URLs of every Router replica of the app this serve config started (see wait_for_urls)."""
+    return ",".join(wait_for_urls(log_paths, router_replicas(serve_config), http_host(serve_config), timeout_s))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m load_tests.direct_ingress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     urls = sub.add_parser("urls", help="print the Router replicas' direct-ingress URLs, comma-separated")
     urls.add_argument("--log", action="append", default=[], help="the `serve run` output (repeatable; the Ray "
                       f"session's Router replica logs, {ROUTER_REPLICA_LOGS}, are always read)")
-    urls.add_argument("--expect", type=int, default=1, help="Router replicas to wait for")
-    urls.add_argument("--host", default="127.0.0.1")
+    urls.add_argument("--serve-config", help="the app's serve config: wait for all its Router replicas, on its host")
+    urls.add_argument("--expect", type=int, default=1, help="without --serve-config: Router replicas to wait for")
+    urls.add_argument("--host", default="127.0.0.1", help="without --serve-config: the replicas' host")
     urls.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     try:
-        print(",".join(wait_for_urls(args.log, args.expect, args.host, args.timeout)))
+        if args.serve_config:
+            serve_config = yaml.safe_load(Path(args.serve_config).read_text(encoding="utf-8"))
+            print(router_urls(serve_config, args.log, args.timeout))
+        else:
+            print(",".join(wait_for_urls(args.log, args.expect, args.host, args.timeout)))
     except TimeoutError as error:
         print(error, file=sys.stderr)
         return 1

@@ -54,14 +54,15 @@ from load_tests.report import _num
 from load_tests.serve_runner import (
     AppStartError,
     ServedApp,
+    app_url,
     default_cleanup_commands,
     default_start_command,
     default_stop_commands,
+    llm_lanes_application,
 )
 from load_tests.stats import summarize_class
-from load_tests.workload import ClientPool, split_urls
+from load_tests.workload import ClientPool
 
-APP_IMPORT_PATH = "app.main:build_app"
 HOT_LANE_DEPLOYMENT = "HotLane"
 REQUEST_CLASS = "interactive"  # the default class: what most chat traffic is, served by the hot lane
 REQUEST_TIMEOUT_S = 120.0
@@ -103,14 +104,6 @@ CLIENT_BOUND_CPU = 0.9
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def llm_lanes_application(serve_config: dict[str, Any]) -> dict[str, Any]:
-    """The config's llm-lanes application (the one built by app.main:build_app)."""
-    for application in serve_config.get("applications") or []:
-        if application.get("import_path") == APP_IMPORT_PATH:
-            return application
-    raise ValueError(f"no application with import_path {APP_IMPORT_PATH} in the serve config")
-
-
 def with_tracing(serve_config: dict[str, Any], tracing: dict[str, Any]) -> dict[str, Any]:
     """A copy of the serve config whose llm-lanes app has this `observability.tracing` section; nothing else
     changes (the other observability keys are kept)."""
@@ -119,15 +112,6 @@ def with_tracing(serve_config: dict[str, Any], tracing: dict[str, Any]) -> dict[
     observability = args.get("observability") or {}
     args["observability"] = {**observability, "tracing": dict(tracing)}
     return derived
-
-
-def app_url(serve_config: dict[str, Any]) -> str:
-    """Where the config's HTTP proxy listens, as a client on the same machine reaches it."""
-    http = serve_config.get("http_options") or {}
-    host = http.get("host") or "127.0.0.1"
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
-    return f"http://{host}:{http.get('port', 8000)}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -178,10 +162,7 @@ async def http_phase(url: str, make_spec: Callable[[int], RequestSpec], requests
                      first_index: int = 0) -> tuple[list[RequestRecord], float]:
     """`url` may list several servers, comma-separated: requests go to them round robin."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    clients = [httpx.AsyncClient(base_url=one, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
-               for one in split_urls(url)]
-    pool = ClientPool(clients)
-    try:
+    async with ClientPool(url, limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as pool:
         async def call(index: int, run_start: float) -> RequestRecord:
             # Every chunk with a choice counts as a token: the tiny model's tokens may decode to no text, and the
             # lane's first chunk is what TTFT is about on both paths.
@@ -189,9 +170,6 @@ async def http_phase(url: str, make_spec: Callable[[int], RequestSpec], requests
                               count_empty_chunks=True)
 
         return await closed_loop(call, requests, concurrency, first_index)
-    finally:
-        for client in clients:
-            await client.aclose()
 
 
 async def hot_lane_call(handle: Any, lane_request: Any, phase: str, index: int, run_start: float) -> RequestRecord:
@@ -617,8 +595,7 @@ def run_variant(settings: Settings, base_config: dict[str, Any], variant: Tracin
         _log(f"{variant.name}: ready after {result['ready_s']:.0f} s")
         direct_url = None
         if settings.direct_ingress:
-            direct_url = ",".join(direct_ingress.wait_for_urls(
-                [app.log_path], direct_ingress.router_replicas(derived), direct_ingress.http_host(derived)))
+            direct_url = direct_ingress.router_urls(derived, [app.log_path])
             _log(f"{variant.name}: direct ingress at {direct_url}")
         result["phases"], result["records"] = measure_tracing_phases(settings, url, model)
         if variant.name == BASELINE_VARIANT:

@@ -99,8 +99,7 @@ def run_serve_configs(
             target_url = url
             if use_direct_ingress:
                 serve_config = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
-                target_url = ",".join(direct_ingress.wait_for_urls(
-                    [app.log_path], direct_ingress.router_replicas(serve_config), direct_ingress.http_host(serve_config)))
+                target_url = direct_ingress.router_urls(serve_config, [app.log_path])
                 print(f"[{label}] direct ingress: {target_url}", file=sys.stderr)
             runs.append(measure(scenario, target_url, label, config, progress))
             save_admin_stats(url, out_dir / f"admin-stats-{label}.json")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -22,6 +23,29 @@ READY_POLL_INTERVAL_S = 2.0
 STOP_GRACE_S = 30.0
 SHUTDOWN_COMMAND_TIMEOUT_S = 120.0
 LOG_TAIL_CHARS = 4000
+
+
+APP_IMPORT_PATH = "app.main:build_app"
+
+
+def llm_lanes_application(serve_config: dict[str, Any]) -> dict[str, Any]:
+    """The config's llm-lanes application (the one built by app.main:build_app)."""
+    for application in serve_config.get("applications") or []:
+        if application.get("import_path") == APP_IMPORT_PATH:
+            return application
+    raise ValueError(f"no application with import_path {APP_IMPORT_PATH} in the serve config")
+
+
+def http_host(serve_config: dict[str, Any]) -> str:
+    """The address a client on the same machine uses for the config's HTTP servers (the proxy, and the Router
+    replicas' own servers under direct ingress, bind there)."""
+    host = (serve_config.get("http_options") or {}).get("host") or "127.0.0.1"
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def app_url(serve_config: dict[str, Any]) -> str:
+    """Where the config's HTTP proxy listens, as a client on the same machine reaches it."""
+    return f"http://{http_host(serve_config)}:{(serve_config.get('http_options') or {}).get('port', 8000)}"
 
 
 def _cli(name: str) -> str:

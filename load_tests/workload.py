@@ -10,7 +10,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from contextlib import AsyncExitStack
+from typing import Any
 
 import httpx
 
@@ -33,14 +33,22 @@ def split_urls(base_url: str) -> list[str]:
 
 
 class ClientPool:
-    """One HTTP client per server; `next()` hands them out round robin."""
+    """`async with ClientPool(base_url, **httpx_client_options) as pool`: one HTTP client per server of the base URL
+    (split_urls), closed on exit; `pool.next()` hands them out round robin."""
 
-    def __init__(self, clients: list[httpx.AsyncClient]):
-        self.clients = clients
-        self._turn = itertools.cycle(clients)
+    def __init__(self, base_url: str, **client_options: Any):
+        self.clients = [httpx.AsyncClient(base_url=url, **client_options) for url in split_urls(base_url)]
+        self._turn = itertools.cycle(self.clients)
 
     def next(self) -> httpx.AsyncClient:
         return next(self._turn)
+
+    async def __aenter__(self) -> "ClientPool":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for client in self.clients:
+            await client.aclose()
 
 
 async def run_scenario(
@@ -51,11 +59,7 @@ async def run_scenario(
     # The per-request deadline is enforced by `send`; httpx's own timeouts only guard against a dead socket.
     timeout = httpx.Timeout(scenario.request_timeout_s, connect=30.0)
     factory = PromptFactory(scenario)
-    async with AsyncExitStack() as stack:
-        pool = ClientPool([
-            await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout))
-            for url in split_urls(base_url)
-        ])
+    async with ClientPool(base_url, limits=limits, timeout=timeout) as pool:
         await _warm_up(pool, scenario, factory)
         records: list[RequestRecord] = []
         run_start = time.perf_counter()

@@ -62,6 +62,16 @@ def test_cli_prints_comma_separated_urls(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "http://127.0.0.1:30000,http://127.0.0.1:30001"
 
 
+def test_cli_waits_for_every_router_replica_of_a_serve_config(tmp_path, capsys):
+    config = tmp_path / "lanes.yaml"
+    config.write_text("http_options: {host: 0.0.0.0}\napplications:\n  - import_path: app.main:build_app\n"
+                      "    args: {router: {num_replicas: 2}}\n")
+    log = tmp_path / "serve.log"
+    log.write_text(ANNOUNCE.format(port=30000) + "\n" + ANNOUNCE.format(port=30001))
+    assert direct_ingress.main(["urls", "--serve-config", str(config), "--log", str(log), "--timeout", "1"]) == 0
+    assert capsys.readouterr().out.strip() == "http://127.0.0.1:30000,http://127.0.0.1:30001"
+
+
 def test_split_urls():
     assert split_urls("http://a:1/, http://b:2") == ["http://a:1", "http://b:2"]
     assert split_urls("http://a:1") == ["http://a:1"]
