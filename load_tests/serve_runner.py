@@ -1,7 +1,9 @@
 """Start the app under one serve config, wait until it answers, and tear everything down afterwards.
 
 Start: `serve run CONFIG` in its own process group (env RAY_AUTH_MODE=disabled: Ray 2.60's CLI turns token auth on).
-Ready: GET {url}/v1/models answers 200. Stop: `serve shutdown -y`, then the process group (SIGINT, SIGTERM, SIGKILL,
+Ready: GET {url}/v1/models answers 200 and GET {url}/v1/admin/stats shows every lane's engine answering. The Router
+answers /v1/models before the engines are up (a CPU engine starts ~30 s after it), so without the second check a
+measurement would begin with the lanes still starting. Stop: `serve shutdown -y`, then the process group (SIGINT, SIGTERM, SIGKILL,
 each after a grace period), then `ray stop --force` so the next config starts on a clean machine.
 Commands are arguments so the lifecycle can be tested with a stand-in server.
 """
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from load_tests.gpu_campaign import lanes_answering
 
 READY_POLL_INTERVAL_S = 2.0
 STOP_GRACE_S = 30.0
@@ -80,6 +84,7 @@ class ServedApp:
         cleanup_commands: list[list[str]] | None = None,
         ready_timeout_s: float = 600.0,
         ready_path: str = "/v1/models",
+        lanes_path: str | None = "/v1/admin/stats",
         env: dict[str, str] | None = None,
         poll_interval_s: float = READY_POLL_INTERVAL_S,
     ):
@@ -90,6 +95,7 @@ class ServedApp:
         self.cleanup_commands = cleanup_commands or []
         self.ready_timeout_s = ready_timeout_s
         self.ready_path = ready_path
+        self.lanes_path = lanes_path
         self.poll_interval_s = poll_interval_s
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
@@ -115,16 +121,23 @@ class ServedApp:
                         f"log tail:\n{self.log_tail()}"
                     )
                 try:
-                    if client.get(self.url + self.ready_path).status_code == 200:
+                    if client.get(self.url + self.ready_path).status_code == 200 and self._lanes_answer(client):
                         return time.monotonic() - began
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     pass
                 if time.monotonic() - began > self.ready_timeout_s:
                     raise AppStartError(
-                        f"{self.url}{self.ready_path} did not answer 200 within {self.ready_timeout_s} s; "
+                        f"{self.url}{self.ready_path} did not answer 200 (with every lane answering "
+                        f"{self.lanes_path}) within {self.ready_timeout_s} s; "
                         f"log tail:\n{self.log_tail()}"
                     )
                 time.sleep(self.poll_interval_s)
+
+    def _lanes_answer(self, client: httpx.Client) -> bool:
+        if self.lanes_path is None:
+            return True
+        response = client.get(self.url + self.lanes_path, timeout=10.0)
+        return response.status_code == 200 and lanes_answering(response.json())
 
     def stop(self) -> None:
         """Always safe to call; leaves no process of ours behind."""

@@ -15,7 +15,7 @@ from load_tests import direct_ingress
 from load_tests.run import run_serve_configs
 from load_tests.scenario import parse_scenario
 from load_tests.workload import run_scenario, split_urls
-from tests.unit.test_load_report import BASE, fake_app, free_port
+from tests.unit.test_load_report import BASE, fake_app, free_port, lanes_up
 
 ANNOUNCE = ("(ServeReplica:llm-lanes:Router pid=1) INFO 2026-12-03 07:28:30,198 llm-lanes_Router d0cg383v -- "
             "Successfully started RequestProtocol.HTTP server on port {port}")
@@ -120,6 +120,7 @@ def serve_direct_ingress_stand_in(proxy_port: int, replica_port: int) -> None:
             return web.json_response({"error": {"message": "went through the proxy"}}, status=500)
 
         proxy.router.add_get("/v1/models", models)
+        proxy.router.add_get("/v1/admin/stats", lanes_up)
         proxy.router.add_post("/v1/chat/completions", refuse)
         proxy.router.add_post("/v1/completions", refuse)
         # Announced before the proxy answers, so the announcement is in the log by the time the app is ready.

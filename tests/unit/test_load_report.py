@@ -29,6 +29,15 @@ REPO = Path(__file__).resolve().parents[2]
 # ---- a fake OpenAI-compatible server ---------------------------------------------------------------------------------
 
 
+# GET /v1/admin/stats of an app whose lanes are up (each replica's engine reports its KV capacity).
+LANES_UP = {"lanes": {"hot": [{"running": 0, "kv_capacity_tokens": 4096}],
+                      "cold": [{"running": 0, "kv_capacity_tokens": 4096}]}}
+
+
+async def lanes_up(_: web.Request) -> web.Response:
+    return web.json_response(LANES_UP)
+
+
 def fake_app(token_delay_s: float = 0.002, seen: list[dict] | None = None) -> web.Application:
     """Streams `max_tokens` one-word chunks then a usage chunk; realtime (service_tier priority) always gets 429."""
 
@@ -72,6 +81,7 @@ def fake_app(token_delay_s: float = 0.002, seen: list[dict] | None = None) -> we
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/admin/stats", lanes_up)
     app.router.add_post("/v1/chat/completions", complete)
     app.router.add_post("/v1/completions", complete)
     return app
@@ -368,6 +378,35 @@ def test_served_app_reports_early_exit_with_log_tail(tmp_path):
                     ready_timeout_s=30, poll_interval_s=0.1)
     with app, pytest.raises(AppStartError, match="(?s)exited with 3.*log tail:.*config invalid"):
         app.wait_ready()
+
+
+def serve_lanes_starting(port: int) -> None:
+    """Like the Router before its engines are up: /v1/models answers, the cold lane's replica does not yet."""
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": []})
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({"lanes": {"hot": [{"running": 0, "kv_capacity_tokens": 4096}],
+                                            "cold": [{"error": "TimeoutError: replica starting"}]}})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/admin/stats", stats)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+def test_served_app_is_not_ready_until_every_lane_answers(tmp_path):
+    port = free_port()
+    code = f"from tests.unit.test_load_report import serve_lanes_starting; serve_lanes_starting({port})"
+    app = ServedApp(f"http://127.0.0.1:{port}", tmp_path / "serve.log", [sys.executable, "-c", code],
+                    ready_timeout_s=3, poll_interval_s=0.1)
+    with app, pytest.raises(AppStartError, match="every lane answering /v1/admin/stats"):
+        app.wait_ready()
+    # Without the lanes check the same server counts as ready at once.
+    app = ServedApp(f"http://127.0.0.1:{port}", tmp_path / "serve.log", [sys.executable, "-c", code],
+                    ready_timeout_s=30, poll_interval_s=0.1, lanes_path=None)
+    with app:
+        assert app.wait_ready() < 30
 
 
 def test_served_app_times_out(tmp_path):
