@@ -489,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--poll-interval", type=float, default=0.25, help="seconds between batch status polls")
     parser.add_argument("--batch-timeout", type=float, default=1800.0, help="seconds to wait for the batch")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait until the app and every lane answer")
     parser.add_argument("--skip", action="append", choices=list(RUN_TITLES), default=[],
                         help="leave out a run (repeatable)")
     # Internal: one offline phase inside the fresh process the main run starts.

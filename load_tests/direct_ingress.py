@@ -80,8 +80,8 @@ def wait_for_urls(log_paths: list[str | Path], expected: int, host: str = "127.0
             return [f"http://{host}:{port}" for port in ports[:expected]]
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"{', '.join(patterns)}: {len(ports)} of {expected} Router replicas announced a direct-ingress HTTP port within "
-                f"{timeout_s:.0f} s; was the app started with RAY_SERVE_ENABLE_DIRECT_INGRESS=1?")
+                f"{', '.join(patterns)}: {len(ports)} of {expected} Router replicas announced a direct-ingress "
+                f"HTTP port within {timeout_s:.0f} s; was the app started with RAY_SERVE_ENABLE_DIRECT_INGRESS=1?")
         time.sleep(poll_s)
 
 

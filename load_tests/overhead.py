@@ -534,7 +534,8 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
     }
     if "direct" in paths:
         direct = phase_summary(*paths["direct"])
-        result.update(direct_url=direct_url, direct=direct, direct_difference_ms=router_overhead(direct, handle_summary))
+        result.update(direct_url=direct_url, direct=direct,
+                      direct_difference_ms=router_overhead(direct, handle_summary))
         result["records"]["direct"] = [r.to_json() for r in paths["direct"][0]]
     return result
 
@@ -666,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="start the app with Ray Serve's direct ingress and also measure the Router replicas' own "
                              "ports (Router overhead and request-rate ceiling)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait until the app and every lane answer")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--requests, --concurrency and --rounds must be >= 1, --warmup >= 0")

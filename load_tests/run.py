@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --serve-config: start with Ray Serve's direct ingress and load the Router replicas' "
                              "own ports, not the HTTP proxy")
     parser.add_argument("--label", default=None, help="name of the run in --url mode (default: the URL)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for GET /v1/models = 200")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait until the app and every lane answer")
     parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

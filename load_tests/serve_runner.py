@@ -3,8 +3,8 @@
 Start: `serve run CONFIG` in its own process group (env RAY_AUTH_MODE=disabled: Ray 2.60's CLI turns token auth on).
 Ready: GET {url}/v1/models answers 200 and GET {url}/v1/admin/stats shows every lane's engine answering. The Router
 answers /v1/models before the engines are up (a CPU engine starts ~30 s after it), so without the second check a
-measurement would begin with the lanes still starting. Stop: `serve shutdown -y`, then the process group (SIGINT, SIGTERM, SIGKILL,
-each after a grace period), then `ray stop --force` so the next config starts on a clean machine.
+measurement would begin with the lanes still starting. Stop: `serve shutdown -y`, then the process group (SIGINT,
+SIGTERM, SIGKILL, each after a grace period), then `ray stop --force` so the next config starts on a clean machine.
 Commands are arguments so the lifecycle can be tested with a stand-in server.
 """
 

@@ -90,7 +90,8 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, int]:
 async def test_requests_are_spread_round_robin_over_several_servers():
     seen_a: list[dict] = []
     seen_b: list[dict] = []
-    (runner_a, port_a), (runner_b, port_b) = await _start(fake_app(0.001, seen_a)), await _start(fake_app(0.001, seen_b))
+    runner_a, port_a = await _start(fake_app(0.001, seen_a))
+    runner_b, port_b = await _start(fake_app(0.001, seen_b))
     try:
         data = json.loads(json.dumps(BASE))
         data["streams"] = data["streams"][:2]  # 5 interactive + 3 batch, all answered

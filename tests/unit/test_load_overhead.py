@@ -285,7 +285,8 @@ def test_measure_rate_ceiling_against_the_fake_server():
 def test_markdown_with_the_direct_ingress_path():
     settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 4, 16, 16, 2, 7, 600.0, direct_ingress=True)
     off = _run("tracing-off", 10.0, 100.0)
-    http, direct, handle = _summary(1, (30, 60), (12, 40)), _summary(1, (28, 55), (11, 35)), _summary(1, (25, 50), (10, 30))
+    http, direct = _summary(1, (30, 60), (12, 40)), _summary(1, (28, 55), (11, 35))
+    handle = _summary(1, (25, 50), (10, 30))
     off["router_overhead"] = {"rounds": 2, "http": http, "handle": handle, "prompt_token_mismatches": 0,
                               "difference_ms": router_overhead(http, handle), "direct": direct,
                               "direct_url": "http://127.0.0.1:30000",
