@@ -254,7 +254,9 @@ class BatchConfig(StrictModel):
     lease_s: float = Field(60, gt=0, description="A claimed line returns to the queue if not renewed this long.")
     max_attempts: int = Field(3, ge=1)
     poll_interval_s: float = Field(0.5, gt=0)
-    # The tuning guide's dynamic batch of 16-32 requests in flight, adapted by an AIMD window.
+    # The tuning guide's dynamic batch of 16-32 requests in flight per cold-lane replica, adapted by an AIMD window.
+    # Per replica: each Router replica dispatches its share, window x running ColdLane replicas / Router replicas,
+    # so a lane that scales out gets work for every replica (app.batch.dispatcher.dispatch_capacity).
     window_min: int = Field(16, ge=1)
     window_max: int = Field(32, ge=1)
     target_latency_per_token_s: float = Field(0.1, gt=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ ExecuteFn = Callable[[ClaimedLine], Awaitable[dict[str, Any]]]
 
 # Statuses that mean "try again later" rather than "this request is wrong".
 RETRYABLE_CLIENT_STATUSES = (408, 429)
+
+
+def dispatch_capacity(window_size: int, cold_replicas: int, router_replicas: int) -> int:
+    """Lines one dispatcher keeps in flight: the window is per cold-lane replica, and every Router replica runs a
+    dispatcher, so each takes its share of window x cold replicas. Never below one line: with the cold lane scaled
+    to zero, a line waiting at the lane's handle is what brings a replica back."""
+    cold, routers = max(1, cold_replicas), max(1, router_replicas)
+    return max(1, math.ceil(window_size * cold / routers))
 
 
 def is_success(status_code: int) -> bool:
@@ -88,10 +97,22 @@ class BatchDispatcher:
         self._in_flight: dict[tuple[str, int], asyncio.Task] = {}
         self._stopping = asyncio.Event()
         self._last_renew = 0.0
+        # Replica counts this dispatcher's share is computed from (set_replica_counts); 1 and 1 until told.
+        self.cold_replicas = 1
+        self.router_replicas = 1
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    @property
+    def capacity(self) -> int:
+        """Lines this dispatcher may have in flight now (see dispatch_capacity)."""
+        return dispatch_capacity(self.window.size, self.cold_replicas, self.router_replicas)
+
+    def set_replica_counts(self, cold_replicas: int, router_replicas: int) -> None:
+        """The cold lane's and the Router's running replica counts, as the Router last read them."""
+        self.cold_replicas, self.router_replicas = cold_replicas, router_replicas
 
     def stop(self) -> None:
         """Ask run() to stop claiming; it returns once the lines in flight have been recorded."""
@@ -128,7 +149,7 @@ class BatchDispatcher:
             await self._store_call(self.store.renew_leases, self.owner, list(self._in_flight), self.lease_s)
             self._last_renew = now
         self.window.update_if_due(now)
-        free = self.window.size - len(self._in_flight)
+        free = self.capacity - len(self._in_flight)
         if free <= 0 or self._stopping.is_set():
             return 0
         claimed = await self._store_call(self.store.claim_lines, self.owner, free, self.lease_s)

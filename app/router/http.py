@@ -46,6 +46,7 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
 from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
 from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
+from app.router.replica_counts import running_replicas
 from app.router.spill import RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
@@ -432,7 +433,8 @@ class Router:
         self.metrics.observe_replica_routing(elapsed_s, lane=lane, reason=decision.reason.value)
 
     async def _publish_backlog_metrics_forever(self) -> None:
-        """Batch backlog (read from the shared store) and this replica's admission queue depths, as gauges."""
+        """Batch backlog (read from the shared store) and this replica's admission queue depths, as gauges; and the
+        replica counts the dispatcher's share of the batch window follows."""
         while True:
             try:
                 backlog = await asyncio.to_thread(self.batch_store.backlog_stats)
@@ -440,7 +442,25 @@ class Router:
                 self._publish_queue_depths()
             except Exception as error:  # metrics must never take the Router down
                 logger.warning("could not publish the batch backlog metric: %s", error)
+            await self._refresh_replica_counts()
             await asyncio.sleep(BACKLOG_METRICS_INTERVAL_S)
+
+    async def _refresh_replica_counts(self) -> None:
+        """The batch window is per cold replica and each Router replica dispatches its share: read both counts
+        from Serve's status. On failure the last counts stay (1 and 1 at start), so batch work never stops."""
+        if "cold" not in self.lanes:
+            return
+        try:
+            app_name = serve.get_replica_context().app_name
+            status = await asyncio.to_thread(serve.status)
+            cold = running_replicas(status, app_name, "ColdLane")
+            routers = running_replicas(status, app_name, "Router")
+        except Exception as error:
+            logger.warning("could not read replica counts from serve.status(): %s", error)
+            return
+        self.dispatcher.set_replica_counts(
+            cold if cold is not None else self.dispatcher.cold_replicas,
+            routers if routers else self.dispatcher.router_replicas)
 
     def _publish_queue_depths(self) -> None:
         for request_class, depth in self.control.queue_depths().items():
@@ -528,7 +548,12 @@ class Router:
                       for name, answer in zip(names, live)},
             "prefix_cache": prefix,
             "router": {"breakers": self.control.breaker_states(), "queued_by_class": self.control.queue_depths(),
+                       # The window is per cold replica; this Router keeps its share of window x cold replicas.
                        "batch_window": self.dispatcher.window.size,
+                       "batch_in_flight_limit": self.dispatcher.capacity,
+                       "batch_in_flight": self.dispatcher.in_flight,
+                       "replicas_seen": {"cold": self.dispatcher.cold_replicas,
+                                         "router": self.dispatcher.router_replicas},
                        # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
                        "replica_routing": all_decision_stats()},
         }

@@ -308,7 +308,7 @@ class DoctorInputs:
     batch_backlog_lines: float | None = None
     breakers: dict[str, str] = field(default_factory=dict)  # lane -> closed | open | half_open
     admission_queued: dict[str, float] = field(default_factory=dict)  # request class -> queued at the Router
-    batch_window: float | None = None  # the dispatcher's current in-flight window (adapts between 16 and 32)
+    batch_window: float | None = None  # the dispatcher's in-flight window per cold replica (adapts, 16-32 by default)
     lanes_present: tuple[str, ...] = ("hot", "cold")
     spans: list[dict[str, Any]] | None = None  # None: no trace file
     slowest_traces: int = DEFAULT_SLOWEST_TRACES

@@ -200,6 +200,14 @@ def test_cold_lane_scales_out_on_backlog_warms_the_new_replica_and_scales_back(s
     # And the new replica is serving: batch lines reach it.
     assert wait_until(lambda: any(r["replica_id"] == new["replica_id"] and r["served_by_class"].get("batch", 0) > 0
                                   for r in lanes(url)["cold"]), timeout_s=60), lanes(url)["cold"]
+    # The batch window is per cold replica: with two, the (only) Router keeps twice the window in flight.
+
+    def dispatching_for_two_replicas() -> bool:
+        router = stats(url)["router"]
+        return (router["replicas_seen"] == {"cold": 2, "router": 1}
+                and router["batch_in_flight_limit"] == 2 * router["batch_window"])
+
+    assert wait_until(dispatching_for_two_replicas, timeout_s=30), stats(url)["router"]
 
     done = wait_for_batch(client, batch.id, timeout_s=600)
     assert done.status == "completed" and done.request_counts.completed == BATCH_LINES, done

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from app.batch.dispatcher import BatchDispatcher
+from app.batch.dispatcher import BatchDispatcher, dispatch_capacity
 from app.batch.sqlite_store import SqliteBatchStore
 from app.batch.store import LINE_FAILED, ClaimedLine
 from app.batch.window import ConcurrencyWindow
@@ -110,6 +110,31 @@ async def test_window_size_bounds_concurrency(db_path):
     engine = FakeEngine()
     await BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=0.01).run_until_idle()
     assert engine.max_running == 4 and len(engine.executions) == 40
+    store.close()
+
+
+@pytest.mark.parametrize(("window", "cold", "routers", "expected"), [
+    (32, 1, 1, 32),   # one Router, one cold replica: the window itself
+    (32, 2, 1, 64),   # the window is per cold replica: a scaled-out lane gets work for each replica
+    (32, 1, 4, 8),    # four Routers share one replica's window
+    (32, 3, 2, 48),
+    (5, 1, 4, 2),     # a share is rounded up: 1.25 -> 2
+    (16, 0, 1, 16),   # scaled to zero: still dispatch, the waiting line brings a replica back
+    (1, 1, 8, 1),     # never below one line
+])
+def test_dispatch_capacity_is_the_routers_share_of_window_times_cold_replicas(window, cold, routers, expected):
+    assert dispatch_capacity(window, cold, routers) == expected
+
+
+async def test_capacity_follows_the_replica_counts(db_path):
+    store = SqliteBatchStore(db_path)
+    make_batch(store, 60)
+    engine = FakeEngine(delay_s=(0.005, 0.01))
+    dispatcher = BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=0.01)
+    dispatcher.set_replica_counts(cold_replicas=3, router_replicas=1)
+    assert dispatcher.capacity == 12
+    await dispatcher.run_until_idle()
+    assert engine.max_running == 12 and len(engine.executions) == 60
     store.close()
 
 

@@ -14,6 +14,8 @@ import grpc
 import pytest
 import yaml
 
+from app.batch.dispatcher import BatchDispatcher
+from app.batch.window import ConcurrencyWindow
 from app.config import TRACING_EXPORTERS, ConfigError, load_app_config
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, SamplingOptions
 from app.observability import tracing as tr
@@ -196,7 +198,8 @@ def make_router(tmp_path, tracing_exporter=None, **cfg_extra):
     router.metrics = LlmLanesMetrics(metrics_module=router.metrics_backend)
     router.tracing = tr.setup_tracing(tr.TracingSettings(exporter=tracing_exporter or "none"), component="Router")
     router.batch_store = open_batch_store(str(tmp_path / "batches.sqlite3"))
-    router.dispatcher = SimpleNamespace(window=SimpleNamespace(size=16))
+    # Never run: admin stats only read its window, limit and counts.
+    router.dispatcher = BatchDispatcher(router.batch_store, router._execute_batch_line, window=ConcurrencyWindow(16, 32))
     return router
 
 
@@ -383,6 +386,8 @@ async def test_grpc_get_stats_is_the_admin_document(tmp_path):
     assert document["lanes"]["hot"][0]["running"] == 1
     assert document["prefix_cache"]["entries"] == 3
     assert document["router"]["breakers"]["hot"] == "closed"
+    assert (document["router"]["batch_window"], document["router"]["batch_in_flight_limit"]) == (16, 16)
+    assert document["router"]["replicas_seen"] == {"cold": 1, "router": 1}
 
 
 async def test_grpc_submit_and_get_batch_use_the_batch_store(tmp_path):
