@@ -148,8 +148,11 @@ def occupancy_sample(admin_stats: dict[str, Any]) -> dict[str, int | None]:
     """From GET /v1/admin/stats: the Router's batch window and the cold lane's running / waiting requests (summed
     over its replicas): how full the batch API keeps the engine."""
     cold = [entry for entry in (admin_stats.get("lanes") or {}).get("cold") or [] if "error" not in entry]
+    router = admin_stats.get("router") or {}
     return {
-        "batch_window": (admin_stats.get("router") or {}).get("batch_window"),
+        "batch_window": router.get("batch_window"),
+        # Lines the Router's dispatcher had in flight (claimed, not yet recorded): the window is only the limit.
+        "batch_in_flight": router.get("batch_in_flight"),
         "cold_running": sum(int(entry.get("running", 0)) for entry in cold),
         "cold_waiting": sum(int(entry.get("waiting", 0)) for entry in cold),
     }
@@ -160,7 +163,7 @@ def summarize_occupancy(samples: list[dict[str, int | None]]) -> dict[str, float
         return [sample[key] for sample in samples if sample.get(key) is not None]
 
     summary: dict[str, float | int | None] = {"samples": len(samples)}
-    for key in ("batch_window", "cold_running", "cold_waiting"):
+    for key in ("batch_window", "batch_in_flight", "cold_running", "cold_waiting"):
         seen = values(key)
         summary[f"{key}_mean"] = sum(seen) / len(seen) if seen else None
         summary[f"{key}_max"] = max(seen) if seen else None
@@ -190,17 +193,43 @@ def settings_label(engine: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def build_report(settings: dict[str, Any], started_at: str, finished_at: str, machine: dict[str, Any],
-                 engines: dict[str, dict[str, Any]], batch_window: dict[str, int],
-                 runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`runs` maps offline_cold / offline_hot / batch_api to a result with output_tokens and seconds (or error);
-    adds tokens/s to each and the two ratios."""
+def shape_round(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One round: `runs` maps offline_cold / offline_hot / batch_api to a result with output_tokens and seconds (or
+    error); adds tokens/s to each and the round's two ratios."""
     shaped = {}
     for name, run in runs.items():
         shaped[name] = {**run, "output_tokens_per_s": None if run.get("error") else
                         tokens_per_s(run.get("output_tokens"), run.get("seconds"))}
     rate = {name: run["output_tokens_per_s"] for name, run in shaped.items()}
-    batch_vs_bare = ratio(rate.get("batch_api"), rate.get("offline_cold"))
+    return {
+        "runs": shaped,
+        "ratios": {
+            "batch_api_vs_offline_cold": ratio(rate.get("batch_api"), rate.get("offline_cold")),
+            "offline_cold_vs_offline_hot": ratio(rate.get("offline_cold"), rate.get("offline_hot")),
+        },
+    }
+
+
+def spread(values: list[float | None]) -> dict[str, float | int | None]:
+    """Median, min and max of the rounds that produced a value. The median is what the report judges: the bare
+    engine alone moved 2x between runs on this machine, so one round's ratio carries its own run's noise."""
+    seen = sorted(v for v in values if v is not None)
+    if not seen:
+        return {"median": None, "min": None, "max": None, "rounds": 0}
+    middle = len(seen) // 2
+    median = seen[middle] if len(seen) % 2 else (seen[middle - 1] + seen[middle]) / 2
+    return {"median": median, "min": seen[0], "max": seen[-1], "rounds": len(seen)}
+
+
+def build_report(settings: dict[str, Any], started_at: str, finished_at: str, machine: dict[str, Any],
+                 engines: dict[str, dict[str, Any]], batch_window: dict[str, int],
+                 rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """`rounds` holds one `runs` dict per round (see shape_round). Ratios are paired within a round, so a slow or
+    fast minute of the machine moves both sides of a ratio; the report's ratios are the medians over rounds."""
+    shaped = [shape_round(runs) for runs in rounds]
+    ratios = {name: spread([round_["ratios"][name] for round_ in shaped])
+              for name in ("batch_api_vs_offline_cold", "offline_cold_vs_offline_hot")}
+    batch_vs_bare = ratios["batch_api_vs_offline_cold"]["median"]
     return {
         "started_at": started_at,
         "finished_at": finished_at,
@@ -208,11 +237,9 @@ def build_report(settings: dict[str, Any], started_at: str, finished_at: str, ma
         "settings": settings,
         "engine_settings": engines,
         "batch_window": batch_window,
-        "runs": shaped,
-        "ratios": {
-            "batch_api_vs_offline_cold": batch_vs_bare,
-            "offline_cold_vs_offline_hot": ratio(rate.get("offline_cold"), rate.get("offline_hot")),
-        },
+        "rounds": shaped,
+        "ratios": {name: value["median"] for name, value in ratios.items()},
+        "ratio_spread": ratios,
         "target": {
             "batch_api_vs_offline_cold_min": TARGET_BATCH_API_VS_BARE_ENGINE,
             "met": None if batch_vs_bare is None else batch_vs_bare >= TARGET_BATCH_API_VS_BARE_ENGINE,
@@ -221,53 +248,75 @@ def build_report(settings: dict[str, Any], started_at: str, finished_at: str, ma
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    settings, runs, ratios = report["settings"], report["runs"], report["ratios"]
+    settings, rounds, ratios = report["settings"], report["rounds"], report["ratios"]
     window = report["batch_window"]
+    several = len(rounds) > 1
     lines = [
         "# Batch throughput: Batch API vs bare engine",
         "",
         f"Serve config `{settings['serve_config']}`, {settings['prompts']} prompts of "
         f"{settings['min_prompt_tokens']}-{settings['max_prompt_tokens']} random tokens (seed {settings['seed']}), "
         f"{settings['max_tokens']} output tokens each (ignore_eos, temperature {settings['temperature']}). "
-        f"Started {report['started_at']} on {report['machine']['cpus']} CPUs.",
+        f"Started {report['started_at']} on {report['machine']['cpus']} CPUs"
+        + (f"; {len(rounds)} rounds, each run in turn in every round." if several else "."),
         "",
-        "| run | engine settings | requests | output tokens | seconds | output tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| " + ("round | " if several else "") + "run | engine settings | requests | output tokens | seconds | "
+        "output tokens/s |",
+        "|---" * (7 if several else 6) + "|",
     ]
-    for name, title in RUN_TITLES.items():
-        run = runs.get(name)
-        if run is None:
-            continue
-        engine = settings_label(report["engine_settings"][run["engine"]])
-        if name == "batch_api":
-            engine += f"; Router window {window['window_min']}-{window['window_max']} in flight"
-        if run.get("error"):
-            lines.append(f"| {title} | {engine} | failed: {run['error']} | | | |")
-            continue
-        lines.append(f"| {title} | {engine} | {run['requests']} | {run['output_tokens']:,} | "
-                     f"{_num(run['seconds'], 2)} | {_num(run['output_tokens_per_s'])} |")
+    for number, round_ in enumerate(rounds, start=1):
+        lead = f"| {number} " if several else ""
+        for name, title in RUN_TITLES.items():
+            run = round_["runs"].get(name)
+            if run is None:
+                continue
+            engine = settings_label(report["engine_settings"][run["engine"]])
+            if name == "batch_api":
+                engine += f"; Router window {window['window_min']}-{window['window_max']} in flight"
+            if run.get("error"):
+                lines.append(f"{lead}| {title} | {engine} | failed: {run['error']} | | | |")
+                continue
+            lines.append(f"{lead}| {title} | {engine} | {run['requests']} | {run['output_tokens']:,} | "
+                         f"{_num(run['seconds'], 2)} | {_num(run['output_tokens_per_s'])} |")
     met = report["target"]["met"]
     verdict = "–" if met is None else ("met" if met else "not met")
+    spreads = report["ratio_spread"]
+
+    def each_round(name: str) -> str:
+        if not several:
+            return ""
+        values = ", ".join(_ratio(round_["ratios"][name]) for round_ in rounds)
+        return f"; median of {spreads[name]['rounds']} rounds, each round: {values}"
+
     lines += [
         "",
         f"- (c) ÷ (a), Batch API ÷ bare engine: **{_ratio(ratios['batch_api_vs_offline_cold'])}** "
-        f"(target ≥ {report['target']['batch_api_vs_offline_cold_min']}: {verdict})",
-        f"- (a) ÷ (b), cold-lane ÷ hot-lane engine settings: **{_ratio(ratios['offline_cold_vs_offline_hot'])}**",
+        f"(target ≥ {report['target']['batch_api_vs_offline_cold_min']}: {verdict}"
+        f"{each_round('batch_api_vs_offline_cold')})",
     ]
-    batch = runs.get("batch_api") or {}
-    check = batch.get("check")
-    if check:
+    if any("offline_hot" in round_["runs"] for round_ in rounds):
         lines.append(
-            f"- Batch output: {check['lines']} lines, every custom_id once: {'yes' if check['each_id_once'] else 'NO'}"
-            f" (missing {len(check['missing'])}, duplicated {len(check['duplicated'])}, not 200 "
-            f"{len(check['not_ok'])}, not {settings['max_tokens']} tokens {len(check['wrong_length'])})")
-    occupancy = batch.get("occupancy")
-    if occupancy and occupancy["samples"]:
-        lines.append(
-            f"- While (c) ran ({occupancy['samples']} samples of GET /v1/admin/stats): Router batch window mean "
-            f"{_num(occupancy['batch_window_mean'])} (max {_num(occupancy['batch_window_max'])}), cold engine running "
-            f"mean {_num(occupancy['cold_running_mean'])} (max {_num(occupancy['cold_running_max'])}), waiting mean "
-            f"{_num(occupancy['cold_waiting_mean'])}")
+            f"- (a) ÷ (b), cold-lane ÷ hot-lane engine settings: **{_ratio(ratios['offline_cold_vs_offline_hot'])}**"
+            + (f" ({each_round('offline_cold_vs_offline_hot')[2:]})" if several else ""))
+    for number, round_ in enumerate(rounds, start=1):
+        batch = round_["runs"].get("batch_api") or {}
+        prefix = f"Round {number}: " if several else ""
+        check = batch.get("check")
+        if check:
+            lines.append(
+                f"- {prefix}Batch output: {check['lines']} lines, every custom_id once: "
+                f"{'yes' if check['each_id_once'] else 'NO'} (missing {len(check['missing'])}, duplicated "
+                f"{len(check['duplicated'])}, not 200 {len(check['not_ok'])}, not {settings['max_tokens']} tokens "
+                f"{len(check['wrong_length'])})")
+        occupancy = batch.get("occupancy")
+        if occupancy and occupancy["samples"]:
+            lines.append(
+                f"- {prefix}While (c) ran ({occupancy['samples']} samples of GET /v1/admin/stats): Router batch "
+                f"window mean {_num(occupancy['batch_window_mean'])} (max {_num(occupancy['batch_window_max'])}), "
+                + (f"lines in flight mean {_num(occupancy['batch_in_flight_mean'])}, "
+                   if occupancy.get("batch_in_flight_mean") is not None else "") +
+                f"cold engine running mean {_num(occupancy['cold_running_mean'])} "
+                f"(max {_num(occupancy['cold_running_max'])}), waiting mean {_num(occupancy['cold_waiting_mean'])}")
     lines.append("")
     return "\n".join(lines)
 
@@ -328,10 +377,10 @@ def with_batch_store(serve_config: dict[str, Any], store: str) -> dict[str, Any]
     return derived
 
 
-def run_offline(settings: Settings, lane: str, config_path: Path, prompts_path: Path) -> dict[str, Any]:
-    """Phase (a) or (b) in a fresh process (`--offline-lane`); its log goes to OUT/offline-<lane>.log."""
-    result_path = settings.out_dir / f"offline-{lane}.json"
-    log_path = settings.out_dir / f"offline-{lane}.log"
+def run_offline(settings: Settings, lane: str, config_path: Path, prompts_path: Path, run_dir: Path) -> dict[str, Any]:
+    """Phase (a) or (b) in a fresh process (`--offline-lane`); its log goes to RUN_DIR/offline-<lane>.log."""
+    result_path = run_dir / f"offline-{lane}.json"
+    log_path = run_dir / f"offline-{lane}.log"
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "load_tests.batch_throughput", "--offline-lane", lane,
                "--serve-config", str(config_path), "--prompts-file", str(prompts_path),
@@ -401,13 +450,13 @@ def output_lines_of(client: Any, batch: Any) -> list[dict[str, Any]]:
 
 
 def run_batch_api(settings: Settings, config_path: Path, serve_config: dict[str, Any], model: str,
-                  prompts: list[list[int]], warmup_prompts: list[list[int]]) -> dict[str, Any]:
+                  prompts: list[list[int]], warmup_prompts: list[list[int]], run_dir: Path) -> dict[str, Any]:
     """Phase (c): start the app, warm up with a small batch, then the measured batch; the app is stopped after."""
     import openai
 
     url = app_url(serve_config)
     result: dict[str, Any] = {"engine": "cold", "serve_config": str(config_path)}
-    app = ServedApp(url, settings.out_dir / "serve.log", default_start_command(str(config_path)),
+    app = ServedApp(url, run_dir / "serve.log", default_start_command(str(config_path)),
                     stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
                     ready_timeout_s=settings.ready_timeout_s)
     _log(f"batch API: starting `serve run {config_path}` (log: {app.log_path})")
@@ -425,7 +474,7 @@ def run_batch_api(settings: Settings, config_path: Path, serve_config: dict[str,
             _log(f"batch API: warm-up batch {warmup.status}")
 
         lines = batch_input_lines(prompts, model, settings.max_tokens, settings.temperature)
-        (settings.out_dir / "batch-input.jsonl").write_text(
+        (run_dir / "batch-input.jsonl").write_text(
             "".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
         batch, created = submit_batch(client, lines, "batch-throughput.jsonl")
         _log(f"batch API: created {batch.id} with {len(lines)} lines; polling every {settings.poll_interval_s} s")
@@ -440,7 +489,7 @@ def run_batch_api(settings: Settings, config_path: Path, serve_config: dict[str,
         batch, done = wait_for_batch(client, batch.id, settings.poll_interval_s, settings.batch_timeout_s,
                                      sample_occupancy)
         output = output_lines_of(client, batch)
-        (settings.out_dir / "batch-output.jsonl").write_text(
+        (run_dir / "batch-output.jsonl").write_text(
             "".join(json.dumps(line) + "\n" for line in output), encoding="utf-8")
         check = check_batch_output(output, [line["custom_id"] for line in lines], settings.max_tokens)
         result.update({
@@ -491,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-timeout", type=float, default=1800.0, help="seconds to wait for the batch")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait until the app and every lane answer")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run (a), (b) and (c) in turn this many times; the report's ratios are the medians of "
+                             "the rounds' paired ratios (the machine's speed drifts between minutes)")
     parser.add_argument("--skip", action="append", choices=list(RUN_TITLES), default=[],
                         help="leave out a run (repeatable)")
     # Internal: one offline phase inside the fresh process the main run starts.
@@ -500,8 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.offline_lane:
         return offline_worker(args)
-    if args.prompts < 1 or args.max_tokens < 1 or args.warmup_prompts < 0:
-        parser.error("--prompts and --max-tokens must be >= 1, --warmup-prompts >= 0")
+    if args.prompts < 1 or args.max_tokens < 1 or args.warmup_prompts < 0 or args.rounds < 1:
+        parser.error("--prompts, --max-tokens and --rounds must be >= 1, --warmup-prompts >= 0")
     if not 1 <= args.min_prompt_tokens <= args.max_prompt_tokens:
         parser.error("need 1 <= --min-prompt-tokens <= --max-prompt-tokens")
 
@@ -514,13 +566,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{settings.serve_config} has no cold lane (cold_lane: null): nothing to compare")
     settings.out_dir.mkdir(parents=True, exist_ok=True)
 
-    store = settings.out_dir / "batches.sqlite3"
-    for path in settings.out_dir.glob("batches.sqlite3*"):
-        path.unlink()
-    derived = with_batch_store(base_config, str(store.resolve()))
-    config_path = settings.out_dir / "serve-batch-throughput.yaml"
-    config_path.write_text(yaml.safe_dump(derived, sort_keys=False), encoding="utf-8")
-
     token_ids = ordinary_token_ids(cfg.model.tokenizer_source)
     prompts = make_prompts(settings.seed, settings.prompts, settings.min_prompt_tokens, settings.max_prompt_tokens,
                            token_ids)
@@ -530,25 +575,40 @@ def main(argv: list[str] | None = None) -> int:
     prompts_path.write_text(json.dumps({"prompts": prompts, "warmup_prompts": warmup_prompts}), encoding="utf-8")
 
     started_at = _now()
-    runs: dict[str, dict[str, Any]] = {}
-    if "offline_cold" not in args.skip:
-        runs["offline_cold"] = run_offline(settings, "cold", config_path, prompts_path)
-    if "offline_hot" not in args.skip:
-        runs["offline_hot"] = run_offline(settings, "hot", config_path, prompts_path)
-    if "batch_api" not in args.skip:
-        runs["batch_api"] = run_batch_api(settings, config_path, derived, cfg.model.served_name, prompts,
-                                          warmup_prompts)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for number in range(1, args.rounds + 1):
+        # One round: every run in turn, each in fresh processes (the app is started and stopped within (c)).
+        run_dir = settings.out_dir if args.rounds == 1 else settings.out_dir / f"round-{number}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # A fresh store per round: nothing a failed round left queued is drained along with the next round's batch.
+        for path in run_dir.glob("batches.sqlite3*"):
+            path.unlink()
+        derived = with_batch_store(base_config, str((run_dir / "batches.sqlite3").resolve()))
+        config_path = run_dir / "serve-batch-throughput.yaml"
+        config_path.write_text(yaml.safe_dump(derived, sort_keys=False), encoding="utf-8")
+        if args.rounds > 1:
+            _log(f"round {number} of {args.rounds} (files in {run_dir})")
+        runs: dict[str, dict[str, Any]] = {}
+        if "offline_cold" not in args.skip:
+            runs["offline_cold"] = run_offline(settings, "cold", config_path, prompts_path, run_dir)
+        if "offline_hot" not in args.skip:
+            runs["offline_hot"] = run_offline(settings, "hot", config_path, prompts_path, run_dir)
+        if "batch_api" not in args.skip:
+            runs["batch_api"] = run_batch_api(settings, config_path, derived, cfg.model.served_name, prompts,
+                                              warmup_prompts, run_dir)
+        rounds.append(runs)
 
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     engines = {lane: cfg.lane(lane).engine.model_dump() for lane in cfg.lane_names}
     window = {"window_min": cfg.batch.window_min, "window_max": cfg.batch.window_max}
-    report = build_report(settings.to_json(), started_at, _now(), machine, engines, window, runs)
+    report = build_report({**settings.to_json(), "rounds": args.rounds}, started_at, _now(), machine, engines, window,
+                          rounds)
     (settings.out_dir / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     markdown = render_markdown(report)
     (settings.out_dir / "report.md").write_text(markdown, encoding="utf-8")
     print(markdown)
     _log(f"report: {settings.out_dir / 'report.json'}, {settings.out_dir / 'report.md'}")
-    return 1 if any(run.get("error") for run in runs.values()) else 0
+    return 1 if any(run.get("error") for runs in rounds for run in runs.values()) else 0
 
 
 if __name__ == "__main__":
