@@ -62,6 +62,10 @@ class EngineSettings(StrictModel):
     # 16-19 still gets every idle cycle but yields the cores to the HTTP proxy, the Router and the hot lane when they
     # need one (app/lanes/cpu_priority.py; measured in docs/benchmarks.md). 0 leaves them as Ray started them.
     cpu_nice: int = Field(0, ge=0, le=19)
+    # Cores for the lane replica's own process and the engine-core process it starts (vLLM's frontend and scheduler),
+    # e.g. "0": on a CPU host, keeps them off the worker's cpu_threads_bind cores, which they otherwise share at
+    # random (app/lanes/cpu_priority.py). None leaves them to the OS. Ignored on GPU.
+    cpu_frontend_bind: str | None = None
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -80,6 +84,13 @@ class EngineSettings(StrictModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
                 "raise max_num_batched_tokens to at least max_num_seqs (every running sequence needs a token per step)"
             )
+        if self.cpu_frontend_bind is not None:
+            from app.lanes.cpu_priority import parse_cpu_list
+
+            try:
+                parse_cpu_list(self.cpu_frontend_bind)
+            except ValueError as error:
+                raise ValueError(f"cpu_frontend_bind: {error}") from None
         clash = set(self.extra_engine_args) & set(type(self).model_fields)
         if clash:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""OS scheduling priority (niceness) for a lane's engine processes.
+"""OS scheduling priority (niceness) and CPU affinity for a lane's engine processes.
 
 On a CPU host the engines compete for the same cores as Serve's HTTP proxy, the Router and the other lane. vLLM-CPU
 keeps its worker threads busy between steps, so a saturated batch engine takes every cycle it can get, and a request
@@ -9,6 +9,12 @@ engines) at niceness 15, so only 16-19 change anything. Only ever raised: loweri
 
 Linux niceness is per thread, and threads inherit it when created. The engine's worker threads already exist when
 this runs (after the engine started), so every thread of every descendant process is set.
+
+Affinity: vLLM-CPU binds only the worker's compute threads (cpu_threads_bind). The replica process (vLLM's frontend:
+output processing, detokenization) and the engine-core process (the scheduler, which waits for each step in a
+yield loop) float over every core, onto the worker's too. Pinning the replica before the engine starts keeps both
+off it (the engine-core process inherits the replica's affinity; the worker re-binds its own threads). Measured in
+docs/benchmarks.md (batch throughput).
 """
 
 from __future__ import annotations
@@ -63,3 +69,31 @@ def renice_process_tree(root_pid: int, niceness: int, *, include_root: bool = Fa
             except OSError as error:  # the thread ended meanwhile, or not ours: nothing to do
                 logger.debug("could not renice thread %s of process %s: %s", tid, pid, error)
     return changed
+
+
+def parse_cpu_list(cpus: str) -> set[int]:
+    """"0", "0-3", "0,2,4-5" (the kernel's and vLLM's CPU-list syntax) -> {0, ...}; ValueError on anything else."""
+    found: set[int] = set()
+    for part in cpus.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{cpus!r} is not a CPU list: use e.g. \"0\", \"0-3\" or \"0,2\"")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"{cpus!r}: range {part!r} runs backwards")
+        found.update(range(first, last + 1))
+    return found
+
+
+def pin_process(pid: int, cpus: set[int]) -> int:
+    """Set the CPU affinity of every thread of `pid` (a process's affinity is per thread; a thread it starts, or a
+    process it forks or spawns, inherits the starting thread's). Returns how many threads were pinned."""
+    pinned = 0
+    for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        try:
+            os.sched_setaffinity(tid, cpus)
+            pinned += 1
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+    return pinned

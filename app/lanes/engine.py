@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from app.config import AppConfig, EngineSettings
-from app.lanes.cpu_priority import renice_process_tree
+from app.lanes.cpu_priority import parse_cpu_list, pin_process, renice_process_tree
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,20 @@ def bind_cpu_threads(cfg: AppConfig, settings: EngineSettings) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
 
 
+def pin_frontend(cfg: AppConfig, settings: EngineSettings) -> None:
+    """Pin this (replica) process to the lane's cpu_frontend_bind cores before the engine starts, so the engine-core
+    process it spawns inherits them (app/lanes/cpu_priority.py says why)."""
+    if cfg.device != "cpu" or not settings.cpu_frontend_bind:
+        return
+    cpus = parse_cpu_list(settings.cpu_frontend_bind)
+    try:
+        threads = pin_process(os.getpid(), cpus)
+    except OSError as error:  # EINVAL: none of those cores exists (or is allowed) on this host
+        raise RuntimeError(f"cpu_frontend_bind={settings.cpu_frontend_bind!r} cannot be applied on this host "
+                           f"({os.cpu_count()} CPUs, allowed {sorted(os.sched_getaffinity(0))}): {error}") from error
+    logger.info("lane frontend and engine core pinned to CPUs %s (%d threads)", sorted(cpus), threads)
+
+
 class VllmEngine:
     """One vLLM AsyncLLM, started by `start()`, stopped by `shutdown()`."""
 
@@ -86,6 +100,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         bind_cpu_threads(self.cfg, self.settings)
+        pin_frontend(self.cfg, self.settings)
         args = engine_args_dict(self.cfg, self.settings, self.kv_events_config)
         if "kv_events_config" in args:
             from vllm.config import KVEventsConfig
@@ -221,6 +236,7 @@ def offline_generate(cfg: AppConfig, settings: EngineSettings, prompts: list[lis
     from vllm.inputs import TokensPrompt
 
     bind_cpu_threads(cfg, settings)
+    pin_frontend(cfg, settings)  # as a lane replica does: the same settings, the same placement
     started = time.perf_counter()
     # The lane's own engine arguments, unchanged (LLM passes them to EngineArgs); stream_interval has no effect here,
     # as LLM.generate returns whole outputs.

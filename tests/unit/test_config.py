@@ -179,3 +179,11 @@ def test_cpu_nice_is_a_niceness_and_stays_out_of_the_engine_args():
     cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_nice": 15}))
     assert cfg.cold_lane.engine.cpu_nice == 15 and cfg.hot_lane.engine.cpu_nice == 0
     assert "cpu_nice" not in engine_args_dict(cfg, cfg.cold_lane.engine)
+
+
+def test_cpu_frontend_bind_is_a_cpu_list_and_stays_out_of_the_engine_args():
+    message = error_of(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "0;1"}))
+    assert "cold_lane.engine" in message and "cpu_frontend_bind" in message and "CPU list" in message
+    cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "0-1"}))
+    assert cfg.cold_lane.engine.cpu_frontend_bind == "0-1" and cfg.hot_lane.engine.cpu_frontend_bind is None
+    assert "cpu_frontend_bind" not in engine_args_dict(cfg, cfg.cold_lane.engine)

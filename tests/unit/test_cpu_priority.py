@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app.lanes.cpu_priority import descendant_pids, renice_process_tree
+from app.lanes.cpu_priority import descendant_pids, parse_cpu_list, pin_process, renice_process_tree
 
 # A child that starts a grandchild and a second thread, then sleeps: a small process tree like an engine's.
 TREE_SCRIPT = """
@@ -61,3 +61,31 @@ def test_renice_raises_every_thread_of_every_descendant_and_leaves_the_root(proc
 def test_renice_out_of_range_names_the_range():
     with pytest.raises(ValueError, match="0..19"):
         renice_process_tree(os.getpid(), 25)
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [("0", {0}), ("0-3", {0, 1, 2, 3}), ("0,2,4-5", {0, 2, 4, 5}),
+                                                 (" 1 , 3 ", {1, 3})])
+def test_cpu_lists_parse_as_the_kernel_writes_them(cpus, expected):
+    assert parse_cpu_list(cpus) == expected
+
+
+@pytest.mark.parametrize("cpus", ["", "a", "1-", "3-1", "0;1", "-1"])
+def test_bad_cpu_lists_are_refused_with_the_syntax(cpus):
+    with pytest.raises(ValueError, match="CPU list|backwards"):
+        parse_cpu_list(cpus)
+
+
+def test_pinning_sets_every_thread_and_a_process_started_after_inherits_it(process_tree):
+    child, _ = process_tree
+    core = min(os.sched_getaffinity(0))
+    assert pin_process(child, {core}) >= 2  # the child's main thread and its sleeping thread
+    assert all(os.sched_getaffinity(int(tid)) == {core} for tid in os.listdir(f"/proc/{child}/task"))
+    # What the replica relies on: a process it starts afterwards (the engine core) inherits the pinned cores.
+    pinned_before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {core})
+        started = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                                 capture_output=True, text=True, check=True)
+    finally:
+        os.sched_setaffinity(0, pinned_before)
+    assert started.stdout.strip() == str([core])
