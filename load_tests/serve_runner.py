@@ -87,6 +87,7 @@ class ServedApp:
         lanes_path: str | None = "/v1/admin/stats",
         env: dict[str, str] | None = None,
         poll_interval_s: float = READY_POLL_INTERVAL_S,
+        stop_grace_s: float = STOP_GRACE_S,
     ):
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
@@ -97,6 +98,8 @@ class ServedApp:
         self.ready_path = ready_path
         self.lanes_path = lanes_path
         self.poll_interval_s = poll_interval_s
+        # How long each of SIGINT and SIGTERM gets before the next, stronger signal.
+        self.stop_grace_s = stop_grace_s
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self._log = None
@@ -150,7 +153,7 @@ class ServedApp:
                 except ProcessLookupError:
                     break
                 try:
-                    self.process.wait(STOP_GRACE_S)
+                    self.process.wait(self.stop_grace_s)
                     break
                 except subprocess.TimeoutExpired:
                     continue

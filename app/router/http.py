@@ -46,7 +46,7 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
 from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
 from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
-from app.router.replica_counts import running_replicas
+from app.router.replica_counts import LANE_DEPLOYMENTS, health_response, running_replicas
 from app.router.spill import RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
@@ -407,6 +407,8 @@ class Router:
         self.metrics = LlmLanesMetrics()
         self.tracing = setup_tracing(self.cfg.observability.tracing.model_dump(), component="Router")
         self.lanes = {"hot": hot_lane, "cold": cold_lane} if cold_lane is not None else {"hot": hot_lane}
+        # Running replicas per lane, read from Serve's status every few seconds; None until the first read.
+        self.lane_replicas: dict[str, int | None] = {lane: None for lane in self.lanes}
         self.control = TrafficControl(self.cfg)
         self.prefix_cache = prefix_cache
         # The lanes' request routers run in this process (they route this Router's handle calls): their decision
@@ -446,21 +448,24 @@ class Router:
             await asyncio.sleep(BACKLOG_METRICS_INTERVAL_S)
 
     async def _refresh_replica_counts(self) -> None:
-        """The batch window is per cold replica and each Router replica dispatches its share: read both counts
-        from Serve's status. On failure the last counts stay (1 and 1 at start), so batch work never stops."""
-        if "cold" not in self.lanes:
-            return
+        """Running replicas per lane (GET /health) and for the batch dispatcher, whose window is per cold replica
+        and split across Router replicas, from Serve's status. On failure the last counts stay (unknown, and 1
+        and 1 for the dispatcher, at start), so neither health nor batch work flaps on a failed read."""
         try:
             app_name = serve.get_replica_context().app_name
             status = await asyncio.to_thread(serve.status)
-            cold = running_replicas(status, app_name, "ColdLane")
-            routers = running_replicas(status, app_name, "Router")
         except Exception as error:
             logger.warning("could not read replica counts from serve.status(): %s", error)
             return
-        self.dispatcher.set_replica_counts(
-            cold if cold is not None else self.dispatcher.cold_replicas,
-            routers if routers else self.dispatcher.router_replicas)
+        for lane in self.lanes:
+            count = running_replicas(status, app_name, LANE_DEPLOYMENTS[lane])
+            if count is not None:
+                self.lane_replicas[lane] = count
+        if "cold" in self.lanes:
+            routers = running_replicas(status, app_name, "Router")
+            cold = self.lane_replicas["cold"]
+            self.dispatcher.set_replica_counts(cold if cold is not None else self.dispatcher.cold_replicas,
+                                               routers if routers else self.dispatcher.router_replicas)
 
     def _publish_queue_depths(self) -> None:
         for request_class, depth in self.control.queue_depths().items():
@@ -476,8 +481,10 @@ class Router:
     # ---- routes -------------------------------------------------------------------------------------------
 
     @fastapi_app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """For a load balancer: 503 while the hot lane has no running replica (replica_counts.health_response)."""
+        status_code, body = health_response(self.lane_replicas)
+        return JSONResponse(body, status_code=status_code)
 
     @fastapi_app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

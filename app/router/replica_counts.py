@@ -8,9 +8,12 @@ status.applications[app].deployments[name].replica_states maps a replica state (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 RUNNING = "RUNNING"
+# The lanes' deployment names, as app.main binds them.
+LANE_DEPLOYMENTS = {"hot": "HotLane", "cold": "ColdLane"}
 
 
 def _state_name(state: Any) -> str:
@@ -26,3 +29,19 @@ def running_replicas(status: Any, app_name: str, deployment: str) -> int | None:
         return None
     states = getattr(overview, "replica_states", None) or {}
     return sum(int(count) for state, count in states.items() if _state_name(state) == RUNNING)
+
+
+def health_response(lane_replicas: Mapping[str, int | None]) -> tuple[int, dict[str, Any]]:
+    """GET /health for a load balancer: (status code, body) from the lanes' running replica counts.
+
+    503 while the hot lane has no running replica (starting up, or every replica down): realtime and interactive
+    requests sent here would only wait out their deadlines. A cold lane at zero replicas is normal (scale to zero:
+    the next batch line brings one back), so it stays 200. A count not read yet (None) counts as up: the first read
+    of Serve's status comes a few seconds after the Router starts, and health must not flap on a failed read.
+    """
+    hot = lane_replicas.get("hot")
+    body: dict[str, Any] = {"status": "ok", "running_replicas": dict(lane_replicas)}
+    if hot == 0:
+        body.update(status="unavailable", reason="the hot lane has no running replica (starting, or down)")
+        return 503, body
+    return 200, body

@@ -145,6 +145,13 @@ def test_sdk_raises_typed_errors(openai_client):
 
 
 def test_health_and_unknown_route(app_url):
-    assert httpx.get(f"{app_url}/health", timeout=10).json() == {"status": "ok"}
+    def health() -> httpx.Response:
+        return httpx.get(f"{app_url}/health", timeout=10)
+
+    assert health().status_code == 200 and health().json()["status"] == "ok"
+    # The Router reads Serve's status every 5 s: once it has, /health lists each lane's running replicas (a load
+    # balancer gets 503 while the hot lane has none).
+    assert wait_until(lambda: health().json()["running_replicas"].get("hot") == 1, timeout_s=15), health().json()
+    assert all(isinstance(n, int) and n >= 1 for n in health().json()["running_replicas"].values()), health().json()
     missing = httpx.get(f"{app_url}/v1/nothing-here", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

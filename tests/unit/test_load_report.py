@@ -410,8 +410,11 @@ def test_served_app_is_not_ready_until_every_lane_answers(tmp_path):
 
 
 def test_served_app_times_out(tmp_path):
+    # A short grace: a SIGINT that lands while the child interpreter is still starting can be lost (CI saw a 30 s
+    # stop once), and SIGTERM must then follow soon.
     app = ServedApp(f"http://127.0.0.1:{free_port()}", tmp_path / "serve.log",
-                    [sys.executable, "-c", "import time; time.sleep(60)"], ready_timeout_s=0.5, poll_interval_s=0.1)
+                    [sys.executable, "-c", "import time; time.sleep(60)"], ready_timeout_s=0.5, poll_interval_s=0.1,
+                    stop_grace_s=3)
     started = time.monotonic()
     with app, pytest.raises(AppStartError, match="did not answer 200"):
         app.wait_ready()
