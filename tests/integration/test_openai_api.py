@@ -80,7 +80,9 @@ def test_service_tier_picks_the_lane(app_url, served_model):
 
 
 def test_client_disconnect_aborts_the_engine_request(app_url, served_model):
-    body = {"model": served_model, "prompt": "long story", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    # As long as the context allows (2,048): the tiny model decodes thousands of tokens a second, and the stream
+    # must still be running when the stats are read below (CI once saw a 1,500-token one end first).
+    body = {"model": served_model, "prompt": "long story", "max_tokens": 2000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{app_url}/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -88,7 +90,7 @@ def test_client_disconnect_aborts_the_engine_request(app_url, served_model):
             received = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in received)
             # Scheduler stats arrive with the engine's step outputs: give them a moment to show the request.
-            assert wait_until(lambda: lane_stats(app_url)["hot"]["running"] == 1, timeout_s=5, interval_s=0.1)
+            assert wait_until(lambda: lane_stats(app_url)["hot"]["running"] == 1, timeout_s=5, interval_s=0.05)
         # Leaving the block closes the connection mid-stream.
     drained = wait_until(lambda: (s := lane_stats(app_url)["hot"])["running"] == 0 and not s["inflight_by_class"],
                          timeout_s=30)
