@@ -49,6 +49,7 @@ import yaml
 
 from load_tests.overhead import app_url, llm_lanes_application
 from load_tests.report import _num, _ratio
+from load_tests.stats import percentile, ratio
 from load_tests.serve_runner import (
     AppStartError,
     ServedApp,
@@ -181,10 +182,6 @@ def tokens_per_s(output_tokens: int | None, seconds: float | None) -> float | No
     return output_tokens / seconds
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return None if numerator is None or not denominator else numerator / denominator
-
-
 def settings_label(engine: dict[str, Any]) -> str:
     """The engine settings that differ between lanes, short enough for a table cell."""
     parts = [f"max_num_seqs {engine['max_num_seqs']}", f"max_num_batched_tokens {engine['max_num_batched_tokens']}"]
@@ -216,9 +213,7 @@ def spread(values: list[float | None]) -> dict[str, float | int | None]:
     seen = sorted(v for v in values if v is not None)
     if not seen:
         return {"median": None, "min": None, "max": None, "rounds": 0}
-    middle = len(seen) // 2
-    median = seen[middle] if len(seen) % 2 else (seen[middle - 1] + seen[middle]) / 2
-    return {"median": median, "min": seen[0], "max": seen[-1], "rounds": len(seen)}
+    return {"median": percentile(seen, 50), "min": seen[0], "max": seen[-1], "rounds": len(seen)}
 
 
 def build_report(settings: dict[str, Any], started_at: str, finished_at: str, machine: dict[str, Any],

@@ -50,6 +50,7 @@ from app.router.replica_counts import LANE_DEPLOYMENTS, health_response, running
 from app.router.spill import RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
+LANE_OF_DEPLOYMENT = {deployment: lane for lane, deployment in LANE_DEPLOYMENTS.items()}
 
 fastapi_app = FastAPI(title="llm-lanes", docs_url="/docs", openapi_url="/openapi.json")
 
@@ -431,7 +432,7 @@ class Router:
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
 
     def _observe_replica_routing(self, deployment: str, decision, elapsed_s: float) -> None:
-        lane = {"HotLane": "hot", "ColdLane": "cold"}.get(deployment, deployment)
+        lane = LANE_OF_DEPLOYMENT.get(deployment, deployment)
         self.metrics.observe_replica_routing(elapsed_s, lane=lane, reason=decision.reason.value)
 
     async def _publish_backlog_metrics_forever(self) -> None:
