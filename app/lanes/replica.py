@@ -227,10 +227,9 @@ class LaneReplica:
         while True:
             try:
                 stats = await self.stats()
-                if self.prefix_cache is not None:
-                    # Every replica's stats reach the admin endpoint through the PrefixCache's registry (a handle
-                    # call reaches one replica only). Not awaited: a slow PrefixCache must not stall this loop.
-                    self.prefix_cache.report_replica_stats.remote(self.replica_id, self.lane, stats)
+                # Every replica's stats reach the admin endpoint through the PrefixCache's registry (a handle call
+                # reaches one replica only). Not awaited: a slow PrefixCache must not stall this loop.
+                self.prefix_feed.report_replica_stats(stats)
             except Exception as error:  # metrics must never take the replica down
                 logger.warning("could not publish engine metrics: %s", error)
             await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)

@@ -42,8 +42,8 @@ class PrefixCache:
     def pinned_prefixes(self) -> list[list[int]]:
         return self.state.pinned_prefixes()
 
-    def report_replica_stats(self, replica_id: str, lane: str, stats: dict[str, Any]) -> None:
-        self.state.report_replica_stats(replica_id, lane, stats)
+    def report_replica_stats(self, replica_id: str, lane: str, stats: dict[str, Any]) -> str:
+        return self.state.report_replica_stats(replica_id, lane, stats)
 
     def replica_stats(self) -> dict[str, list[dict[str, Any]]]:
         return self.state.replica_stats()

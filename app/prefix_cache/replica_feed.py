@@ -52,6 +52,7 @@ class ReplicaPrefixFeed:
         self._endpoint = ipc_endpoint() if self.exact else None
         self.subscriber: KVEventSubscriber | None = None
         self._prefix_cache_epoch: str | None = None
+        self._stats_report: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
         self.observe_errors = 0
         self.warmup: dict[str, Any] = {"prefixes": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
@@ -77,9 +78,33 @@ class ReplicaPrefixFeed:
             self.prefix_cache.apply_update.remote(self.replica_id, self.lane, update.adds, update.removes,
                                                   update.cleared),
             timeout=PREFIX_CACHE_CALL_TIMEOUT_S)
-        if self._prefix_cache_epoch is not None and epoch != self._prefix_cache_epoch and not update.cleared:
+        self._note_epoch(epoch, resynced=update.cleared)
+
+    def _note_epoch(self, epoch: str, *, resynced: bool = False) -> None:
+        """A new epoch means the PrefixCache restarted empty: unless this update was a full resync, send one."""
+        if (self.subscriber is not None and self._prefix_cache_epoch is not None
+                and epoch != self._prefix_cache_epoch and not resynced):
             self.subscriber.request_resync()
         self._prefix_cache_epoch = epoch
+
+    def report_replica_stats(self, stats: dict[str, Any]) -> None:
+        """Push this replica's stats to the PrefixCache's registry, without waiting. The answer is the PrefixCache's
+        epoch, so this periodic push is also the heartbeat that notices a restarted PrefixCache while no KV event
+        flows (an idle replica would otherwise leave the new, empty index empty until its next request)."""
+        if self.prefix_cache is None or self._stats_report is not None:
+            return  # the previous push has not been answered yet: skip this one rather than pile them up
+        self._stats_report = asyncio.ensure_future(self._send_replica_stats(stats))
+
+    async def _send_replica_stats(self, stats: dict[str, Any]) -> None:
+        try:
+            epoch = await asyncio.wait_for(
+                self.prefix_cache.report_replica_stats.remote(self.replica_id, self.lane, stats),
+                timeout=PREFIX_CACHE_CALL_TIMEOUT_S)
+            self._note_epoch(epoch)
+        except Exception as error:  # advisory: the admin endpoint shows older stats, routing is unaffected
+            logger.debug("replica stats push failed: %r", error)
+        finally:
+            self._stats_report = None
 
     # --- per request -------------------------------------------------------------------------------------------
     def observe(self, prompt_token_ids: list[int]) -> None:
@@ -159,3 +184,5 @@ class ReplicaPrefixFeed:
             self.subscriber.cancel()
         for task in list(self._background):
             task.cancel()
+        if self._stats_report is not None:
+            self._stats_report.cancel()

@@ -92,9 +92,11 @@ class SharedPrefixState:
         return self.popularity.pinned()
 
     # --- replica stats registry ----------------------------------------------------------------------------------
-    def report_replica_stats(self, replica_id: str, lane: str, stats: dict[str, Any]) -> None:
+    def report_replica_stats(self, replica_id: str, lane: str, stats: dict[str, Any]) -> str:
+        """Record a replica's latest stats. Returns this instance's epoch (the replica's restart heartbeat)."""
         self.replica_lanes[replica_id] = lane
         self._replica_stats[replica_id] = (self.clock(), stats)
+        return self.epoch
 
     def forget_stale_replicas(self) -> list[str]:
         """Replicas silent for replica_stale_s: drop their stats and index entries."""

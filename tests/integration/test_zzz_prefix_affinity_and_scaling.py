@@ -166,6 +166,12 @@ async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, s
     assert statuses == [200] * 32, statuses
     # Serve brings the PrefixCache back (empty); the engines' feeds resync it.
     assert wait_until(lambda: stats(url)["prefix_cache"].get("entries", 0) > 0, timeout_s=60)
+    # Again with no traffic at all: no KV event flows, and the replicas' periodic stats push (which answers with the
+    # PrefixCache's epoch) is what tells them to resync.
+    epoch = stats(url)["prefix_cache"]["epoch"]
+    kill_the_only_replica("PrefixCache")
+    assert wait_until(lambda: stats(url)["prefix_cache"].get("epoch", epoch) != epoch, timeout_s=60)
+    assert wait_until(lambda: stats(url)["prefix_cache"].get("entries", 0) > 0, timeout_s=30)
 
 
 def test_cold_lane_scales_out_on_backlog_warms_the_new_replica_and_scales_back(scaling_app, served_model,

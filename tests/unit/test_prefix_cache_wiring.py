@@ -124,6 +124,7 @@ class FakePrefixCache:
         self.pinned_prefixes = FakeMethod(pinned, delay_s)
         self.observe_prompt = FakeMethod()
         self.apply_update = FakeMethod()
+        self.report_replica_stats = FakeMethod()
 
 
 def recording_generate(seen: list):
@@ -234,3 +235,43 @@ async def test_a_restarted_prefix_cache_gets_a_full_resync():
     assert resyncs == [True]
     await feed._report(IndexUpdate(adds=[4]))
     assert resyncs == [True]
+
+
+async def test_an_idle_replica_notices_a_restarted_prefix_cache_through_its_stats_push():
+    """No KV event flows while a replica is idle, so the periodic stats push is what carries the new epoch."""
+    from types import SimpleNamespace
+
+    cache = FakePrefixCache([])
+    feed = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, cache)
+    resyncs = []
+    feed.subscriber = SimpleNamespace(request_resync=lambda: resyncs.append(True))
+
+    async def push() -> None:
+        feed.report_replica_stats({"replica_id": "r1", "running": 0})
+        await feed._stats_report
+
+    cache.report_replica_stats.result = "epoch-1"
+    await push()
+    await push()
+    assert resyncs == [] and cache.report_replica_stats.calls[-1] == ("r1", "hot", {"replica_id": "r1", "running": 0})
+    cache.report_replica_stats.result = "epoch-2"
+    await push()
+    assert resyncs == [True]
+
+
+async def test_a_slow_stats_push_is_not_piled_up_and_a_failed_one_is_dropped():
+    cache = FakePrefixCache([])
+    cache.report_replica_stats.delay_s = 0.05
+    feed = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, cache)
+    feed.report_replica_stats({"n": 1})
+    feed.report_replica_stats({"n": 2})  # the first is still unanswered: skipped
+    await feed._stats_report
+    assert [call[2] for call in cache.report_replica_stats.calls] == [{"n": 1}]
+
+    def broken(*args):
+        raise RuntimeError("PrefixCache is gone")
+
+    cache.report_replica_stats.remote = broken
+    feed.report_replica_stats({"n": 3})
+    await feed._stats_report  # logged, not raised; the next push goes out
+    assert feed._stats_report is None
