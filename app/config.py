@@ -242,7 +242,16 @@ class PrefixCacheConfig(StrictModel):
     max_queue_imbalance: int = Field(4, ge=0, description="Affinity yields when its replica's queue is this much "
                                                            "longer than the shortest queue.")
     kv_usage_weight: float = Field(8.0, ge=0, description="Load score = queue length + this x KV usage (0..1).")
-    lookup_timeout_s: float = Field(0.005, gt=0, description="Budget of one index lookup; over it: load-only.")
+    lookup: Literal["local_mirror", "remote"] = Field(
+        "local_mirror", description="local_mirror: each Router process keeps a copy of the index, synced every "
+                                    "mirror_sync_interval_s, and looks up locally; remote: one PrefixCache call per "
+                                    "request, within lookup_timeout_s.")
+    lookup_timeout_s: float = Field(0.005, gt=0, description="lookup: remote: budget of one index lookup; over it: "
+                                                             "load-only.")
+    mirror_sync_interval_s: float = Field(0.1, gt=0, description="lookup: local_mirror: how often a Router pulls "
+                                                                   "the index's changes.")
+    mirror_max_staleness_s: float = Field(2.0, gt=0, description="lookup: local_mirror: a copy not synced for this "
+                                                                   "long is not used (load-only routing).")
     max_pinned_prefixes: int | None = Field(None, ge=0, description="Default: number of GPUs x 4.")
     warmup: bool = Field(True, description="A new replica prefills the pinned prefixes before it takes traffic.")
     warmup_timeout_s: float = Field(60, gt=0, description="Warm-up gives up (and the replica starts) after this.")
@@ -254,6 +263,10 @@ class PrefixCacheConfig(StrictModel):
     def _check(self) -> "PrefixCacheConfig":
         if not 0 < self.match_threshold <= 1:
             raise ValueError(f"match_threshold={self.match_threshold} is out of range: use a ratio in (0, 1]")
+        if self.mirror_max_staleness_s <= self.mirror_sync_interval_s:
+            raise ValueError(f"mirror_max_staleness_s={self.mirror_max_staleness_s} must be longer than "
+                             f"mirror_sync_interval_s={self.mirror_sync_interval_s}: raise it to a few sync intervals "
+                             "(default 2.0 for 0.1)")
         return self
 
 

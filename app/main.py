@@ -47,6 +47,10 @@ def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str,
             "max_queue_imbalance": settings.max_queue_imbalance,
             "kv_usage_weight": settings.kv_usage_weight,
             "lookup_timeout_s": settings.lookup_timeout_s,
+            "lookup_mode": settings.lookup,
+            "mirror_sync_interval_s": settings.mirror_sync_interval_s,
+            "mirror_max_staleness_s": settings.mirror_max_staleness_s,
+            "max_index_entries": settings.max_entries,
         },
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
     }
@@ -107,7 +111,10 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = _resolve_local_paths(load_app_config(args))
     app_args = cfg.model_dump(mode="json")
     prefix_cache = PrefixCache.options(
-        num_replicas=1, ray_actor_options={"num_cpus": cfg.prefix_cache.num_cpus}
+        num_replicas=1, ray_actor_options={"num_cpus": cfg.prefix_cache.num_cpus},
+        # Internal and busy (feeds every 50 ms per lane replica, each Router's index pull every 0.1 s): an access
+        # log line per call would bury everything else in its log. Errors are still logged.
+        logging_config={"enable_access_log": False},
     ).bind(app_args)
     hot = HotLane.options(**lane_deployment_options(cfg.hot_lane, cfg)).bind(app_args, prefix_cache)
     cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane, cfg)).bind(app_args, prefix_cache)

@@ -39,6 +39,9 @@ class PrefixCache:
     def lookup(self, hashes: list[int], block_size: int) -> list[tuple[str, int]]:
         return self.state.lookup(hashes, block_size)
 
+    def changes_since(self, epoch: str | None, seq: int) -> dict[str, Any]:
+        return self.state.changes_since(epoch, seq)
+
     def pinned_prefixes(self) -> list[list[int]]:
         return self.state.pinned_prefixes()
 

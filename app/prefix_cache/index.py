@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 BlockHash = int
@@ -51,13 +51,17 @@ class PrefixIndex:
     Thread-safe: the PrefixCache deployment serves lookups and engine feeds concurrently.
     """
 
-    def __init__(self, max_entries: int = 200_000, clock=time.monotonic):
+    def __init__(self, max_entries: int = 200_000, clock=time.monotonic,
+                 on_drop: Callable[[list[BlockHash]], None] | None = None):
+        """`on_drop` is told which entries the index removed on its own (evicted, expired), so a change log can
+        pass that on to mirrors."""
         if max_entries < 1:
             raise ValueError(f"max_entries={max_entries} must be >= 1")
         self.max_entries = max_entries
         self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._clock = clock
+        self._on_drop = on_drop
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -74,9 +78,12 @@ class PrefixIndex:
                 entry.replicas.add(replica_id)
                 entry.last_used = now
             self._touch_parents_last(hashes)
+            evicted = []
             while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-                self.evictions += 1
+                evicted.append(self._entries.popitem(last=False)[0])
+            self.evictions += len(evicted)
+        if evicted and self._on_drop is not None:
+            self._on_drop(evicted)
 
     def remove(self, replica_id: str, hashes: Iterable[BlockHash]) -> None:
         with self._lock:
@@ -104,7 +111,27 @@ class PrefixIndex:
             stale = [block for block, entry in self._entries.items() if entry.last_used < cutoff]
             for block in stale:
                 del self._entries[block]
+        if stale and self._on_drop is not None:
+            self._on_drop(stale)
         return len(stale)
+
+    def drop(self, hashes: Iterable[BlockHash]) -> None:
+        """Remove these entries for every replica (a mirror applying its source's evictions)."""
+        with self._lock:
+            for block in hashes:
+                self._entries.pop(block, None)
+
+    def snapshot(self) -> list[tuple[BlockHash, list[str]]]:
+        """Every entry with its replicas, least recently used first (load_snapshot keeps that order)."""
+        with self._lock:
+            return [(block, sorted(entry.replicas)) for block, entry in self._entries.items()]
+
+    def load_snapshot(self, entries: Iterable[tuple[BlockHash, Sequence[str]]]) -> None:
+        now = self._clock()
+        with self._lock:
+            for block, replicas in entries:
+                self._entries[block] = _Entry(set(replicas), now)
+                self._entries.move_to_end(block)
 
     def blocks_by_replica(self) -> dict[str, int]:
         with self._lock:

@@ -47,6 +47,7 @@ from app.prefix_cache.decision_stats import (  # noqa: F401  (re-exported for th
     remove_decision_observer,
 )
 from app.prefix_cache.index import BlockHash, block_hashes
+from app.prefix_cache.mirror import IndexMirror, shared_mirror
 from app.prefix_cache.policy import (
     DEFAULT_KV_USAGE_WEIGHT,
     DEFAULT_MATCH_THRESHOLD,
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX_CACHE_DEPLOYMENT = "PrefixCache"
 LOOKUP_METHOD = "lookup"
+CHANGES_METHOD = "changes_since"
+LOOKUP_MODES = ("local_mirror", "remote")
 KV_USAGE_STAT = "kv_usage"  # key of the replica's record_routing_stats() dict
 DEFAULT_LOOKUP_TIMEOUT_S = 0.005
 PROMPT_TOKEN_IDS_FIELD = "prompt_token_ids"
@@ -110,6 +113,38 @@ async def lookup_with_budget(
     return {str(replica_id): int(tokens) for replica_id, tokens in matches}
 
 
+def mirror_lookup(mirror: IndexMirror | None, hashes: list[BlockHash], block_size: int,
+                  outcomes: dict[str, int] | None = None) -> dict[str, int] | None:
+    """replica id -> matched tokens from the local copy of the index, or None (no copy yet, or stale: load-only).
+    Outcomes: ok / unavailable / stale."""
+    outcome = "unavailable" if mirror is None else "ok"
+    matches = mirror.lookup(hashes, block_size) if mirror is not None else None
+    if mirror is not None and matches is None:
+        outcome = "stale"
+    if outcomes is not None:
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return None if matches is None else {m.replica_id: m.matched_tokens for m in matches}
+
+
+async def sync_mirror_forever(mirror: IndexMirror, pull: Callable[[str | None, int], Awaitable[dict[str, Any]]],
+                              interval_s: float) -> None:
+    """Pull the PrefixCache's changes into `mirror` every `interval_s`. Failures only age the mirror: once it is
+    older than its staleness bound, lookups answer nothing and routing is load-only until a pull succeeds."""
+    while True:
+        try:
+            changes = await asyncio.wait_for(pull(*mirror.cursor()), timeout=max(1.0, 10 * interval_s))
+            try:
+                mirror.apply(changes)
+            except ValueError:  # another epoch's ops (a restart between two pulls): start over from a snapshot
+                mirror.epoch = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a dead or slow PrefixCache is routine here
+            mirror.sync_failed()
+            logger.debug("prefix index mirror sync failed: %r", error)
+        await asyncio.sleep(interval_s)
+
+
 def rank_replicas(candidates: Sequence[Any], chosen_id: str, id_of: Callable[[Any], str]) -> list[list[Any]]:
     """Serve's ranks: the chosen replica first; if it rejects (queue full), the rest (Serve takes the shortest)."""
     chosen = [c for c in candidates if id_of(c) == chosen_id]
@@ -131,13 +166,24 @@ class PrefixAffinityRouter(RequestRouter):
         prefix_cache_app: str | None = None,
         routed_prefix_method: str | None = None,
         seed: int | None = None,
+        lookup_mode: str = "local_mirror",
+        mirror_sync_interval_s: float = 0.1,
+        mirror_max_staleness_s: float = 2.0,
+        max_index_entries: int = 200_000,
     ) -> None:
         """Serve calls this with `request_router_kwargs`. `routed_prefix_method`, when set, turns on the
         approximate feed: after Serve confirms where a long prompt went, call
         `PrefixCache.<routed_prefix_method>(replica_id, hashes, block_size)` without waiting for it."""
         if block_size < 1 or lookup_timeout_s <= 0:
             raise ValueError("block_size must be >= 1 and lookup_timeout_s > 0")
+        if lookup_mode not in LOOKUP_MODES:
+            raise ValueError(f"lookup_mode={lookup_mode!r}: use one of {LOOKUP_MODES}")
         self.block_size = block_size
+        self.lookup_mode = lookup_mode
+        self.mirror_sync_interval_s = mirror_sync_interval_s
+        self.mirror_max_staleness_s = mirror_max_staleness_s
+        self.max_index_entries = max_index_entries
+        self._mirror: IndexMirror | None = None
         self.policy = AffinityPolicy(min_prefix_tokens, match_threshold, max_queue_imbalance, kv_usage_weight)
         self.lookup_timeout_s = lookup_timeout_s
         self._prefix_cache_deployment = prefix_cache_deployment
@@ -160,6 +206,9 @@ class PrefixAffinityRouter(RequestRouter):
         self._report_routed = report_routed
         self._lookup_injected = True
 
+    def _uses_mirror(self) -> bool:
+        return self.lookup_mode == "local_mirror" and not self._lookup_injected
+
     def _ensure_prefix_lookup(self) -> None:
         """Start creating the PrefixCache handle in a worker thread, once; until it exists, lookups "fail"."""
         if self._lookup_injected or self._lookup is not None or self._handle_creation is not None:
@@ -168,7 +217,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._handle_creation = loop.run_in_executor(None, self._create_prefix_cache_handle)
         self._handle_creation.add_done_callback(self._on_handle_created)
 
-    def _create_prefix_cache_handle(self) -> tuple[PrefixLookup, Callable[[str, list[BlockHash], int], None] | None]:
+    def _create_prefix_cache_handle(self) -> tuple[PrefixLookup, Callable[[str, list[BlockHash], int], None] | None,
+                                                   Callable[[str | None, int], Awaitable[dict[str, Any]]]]:
         # Runs in a worker thread: initialising a handle creates its router and waits on Serve's router loop.
         from ray.serve.handle import DeploymentHandle
 
@@ -179,6 +229,11 @@ class PrefixAffinityRouter(RequestRouter):
         async def lookup(hashes: list[BlockHash], block_size: int) -> Sequence[tuple[str, int]]:
             return await lookup_handle.remote(hashes, block_size)
 
+        changes_handle = handle.options(method_name=CHANGES_METHOD)
+
+        async def pull_changes(epoch: str | None, seq: int) -> dict[str, Any]:
+            return await changes_handle.remote(epoch, seq)
+
         report = None
         if self._routed_prefix_method:
             routed_handle = handle.options(method_name=self._routed_prefix_method)
@@ -186,7 +241,7 @@ class PrefixAffinityRouter(RequestRouter):
             def report(replica_id: str, hashes: list[BlockHash], block_size: int) -> None:
                 routed_handle.remote(replica_id, hashes, block_size)  # fire and forget
 
-        return lookup, report
+        return lookup, report, pull_changes
 
     def _on_handle_created(self, future: asyncio.Future) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -194,7 +249,15 @@ class PrefixAffinityRouter(RequestRouter):
                            self._prefix_cache_deployment, None if future.cancelled() else future.exception())
             self._handle_creation = None
             return
-        self._lookup, self._report_routed = future.result()
+        self._lookup, self._report_routed, pull_changes = future.result()
+        if self.lookup_mode == "local_mirror":
+            app_name = self._prefix_cache_app if self._prefix_cache_app is not None else self._deployment_id.app_name
+            self._mirror, owner = shared_mirror(app_name, self._prefix_cache_deployment, self.max_index_entries,
+                                                self.mirror_max_staleness_s)
+            if owner:  # one sync loop per process, shared by the lanes' routers
+                asyncio.get_running_loop().create_task(
+                    sync_mirror_forever(self._mirror, pull_changes, self.mirror_sync_interval_s),
+                    name="prefix-index-mirror-sync")
 
     async def _candidate_loads(self, candidates: Sequence[RunningReplica]) -> list[tuple[RunningReplica, ReplicaLoad]]:
         """Queue lengths from Serve's cache, probing replicas it lacks; replicas that do not answer or are full are
@@ -244,11 +307,16 @@ class PrefixAffinityRouter(RequestRouter):
         matched: dict[str, int] | None = None
         if len(token_ids) >= self.policy.min_prefix_tokens:
             hashes = block_hashes(token_ids, self.block_size)
-            matched, loads = await asyncio.gather(
-                lookup_with_budget(self._lookup, hashes, self.block_size, self.lookup_timeout_s,
-                                   self.stats.lookup_outcomes),
-                self._candidate_loads(candidate_replicas),
-            )
+            if self._uses_mirror():
+                # A local dictionary walk: nothing to wait for, so no budget and no event-loop round trip.
+                matched = mirror_lookup(self._mirror, hashes, self.block_size, self.stats.lookup_outcomes)
+                loads = await self._candidate_loads(candidate_replicas)
+            else:
+                matched, loads = await asyncio.gather(
+                    lookup_with_budget(self._lookup, hashes, self.block_size, self.lookup_timeout_s,
+                                       self.stats.lookup_outcomes),
+                    self._candidate_loads(candidate_replicas),
+                )
         else:
             loads = await self._candidate_loads(candidate_replicas)
         decision = decide(len(token_ids), [load for _, load in loads], matched, self.policy, self._rng)

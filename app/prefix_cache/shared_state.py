@@ -16,6 +16,7 @@ from typing import Any
 
 from app.config import AppConfig
 from app.prefix_cache.index import BlockHash, PrefixIndex, block_hashes
+from app.prefix_cache.mirror import IndexChangeLog
 from app.prefix_cache.popularity import PrefixPopularity
 
 # Replicas report stats every couple of seconds (ENGINE_METRICS_INTERVAL_S); this many seconds of silence = gone.
@@ -32,7 +33,11 @@ class SharedPrefixState:
         self.epoch = uuid.uuid4().hex
         self.clock = clock
         self.replica_stale_s = replica_stale_s
-        self.index = PrefixIndex(max_entries=settings.max_entries, clock=clock)
+        # Every change to the index, numbered, for the Routers' mirrors (mirror.py). Index changes are applied first
+        # and logged second: a snapshot taken in between already holds the change, and replaying it is harmless.
+        self.changes = IndexChangeLog(self.epoch)
+        self.index = PrefixIndex(max_entries=settings.max_entries, clock=clock,
+                                 on_drop=lambda blocks: self.changes.append(("drop", blocks)))
         # Pinned prefixes are token ids, so one block size (the hot lane's) is enough to find them.
         self.popularity = PrefixPopularity(
             block_size=cfg.hot_lane.engine.block_size, min_prefix_tokens=settings.min_prefix_tokens,
@@ -54,11 +59,14 @@ class SharedPrefixState:
         self.replica_lanes[replica_id] = lane
         if cleared:
             self.index.remove_replica(replica_id)
+            self.changes.append(("remove_replica", replica_id))
         if removes:
             self.index.remove(replica_id, removes)
+            self.changes.append(("remove", replica_id, list(removes)))
             self.blocks_removed[replica_id] += len(removes)
         if adds:
             self.index.add(replica_id, adds)
+            self.changes.append(("add", replica_id, list(adds)))
             self.blocks_added[replica_id] += len(adds)
         return self.epoch
 
@@ -71,6 +79,7 @@ class SharedPrefixState:
         self.popularity.record(token_ids, hashes if block_size == self.popularity.block_size else None)
         if record_blocks and hashes:
             self.index.add(replica_id, hashes)
+            self.changes.append(("add", replica_id, hashes))
             self.blocks_added[replica_id] += len(hashes)
 
     def expire_approximate(self) -> int:
@@ -87,6 +96,10 @@ class SharedPrefixState:
         self.lookups += 1
         self.lookups_matched += bool(matches)
         return matches
+
+    def changes_since(self, epoch: str | None, seq: int) -> dict[str, Any]:
+        """For a Router's mirror at (epoch, seq): the ops it lacks, or a snapshot (mirror.IndexChangeLog)."""
+        return self.changes.changes_since(epoch, seq, self.index)
 
     def pinned_prefixes(self) -> list[list[int]]:
         return self.popularity.pinned()
@@ -105,6 +118,7 @@ class SharedPrefixState:
         for replica in gone:
             del self._replica_stats[replica]
             self.index.remove_replica(replica)
+            self.changes.append(("remove_replica", replica))
             self.replica_lanes.pop(replica, None)
         return gone
 
@@ -131,6 +145,7 @@ class SharedPrefixState:
             "expired_entries": self.expired_entries,
             "lookups": self.lookups,
             "lookups_matched": self.lookups_matched,
+            "change_seq": self.changes.seq,
             "pinned_prefixes": [len(prefix) for prefix in self.pinned_prefixes()],
             "replicas": {replica: {"lane": self.replica_lanes.get(replica), "blocks": blocks.get(replica, 0),
                                    "blocks_added": self.blocks_added[replica],

@@ -41,6 +41,7 @@ from app.observability.tracing import (
 )
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
 from app.prefix_cache.index import block_hashes
+from app.prefix_cache.mirror import mirror_stats
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
@@ -563,7 +564,9 @@ class Router:
                        "replicas_seen": {"cold": self.dispatcher.cold_replicas,
                                          "router": self.dispatcher.router_replicas},
                        # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
-                       "replica_routing": all_decision_stats()},
+                       "replica_routing": all_decision_stats(),
+                       # Its copy of the prefix index (prefix_cache.lookup: local_mirror): size, age, syncs.
+                       "prefix_index_mirror": mirror_stats()},
         }
 
     @fastapi_app.post("/v1/admin/prefix_lookup")

@@ -99,6 +99,13 @@ def holders(url: str, prompt: list[int]) -> dict[str, int]:
     return {m["replica_id"]: m["matched_tokens"] for m in body["matches"]}
 
 
+def router_mirror_caught_up(url: str) -> bool:
+    """The Router's copy of the prefix index has every change the PrefixCache had a moment before."""
+    target = stats(url)["prefix_cache"]["change_seq"]
+    mirrors = stats(url)["router"]["prefix_index_mirror"]
+    return bool(mirrors) and all(m["fresh"] and m["seq"] >= target for m in mirrors.values())
+
+
 def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(scaling_app, served_model):
     url = scaling_app.url
     served = set()
@@ -114,12 +121,16 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(scaling_app
                 # The engine's KV events reach the index within a moment; the next request is routed by it.
                 assert wait_until(lambda: holders(url, shared_prefix_prompt(group, 0)).get(replicas[0], 0)
                                   >= PREFIX_TOKENS, timeout_s=10), holders(url, shared_prefix_prompt(group, 0))
-                # The Router process's request router learns the new index entries on its next lookup.
+                # The Router process routes with its own copy of the index, pulled every 0.1 s: let it catch up.
+                assert wait_until(lambda: router_mirror_caught_up(url), timeout_s=10), stats(url)["router"]
         assert len(set(replicas)) == 1, (f"group {group} was spread over {replicas}; routing: "
                                          f"{stats(url)['router']['replica_routing']}")
         # The engine reports the shared prefix as cached for every request after the first.
         assert all(tokens >= PREFIX_TOKENS for tokens in cached[1:]), cached
         served.update(replicas)
+    # Those choices came from the Router's local copy of the index (no per-request call to the PrefixCache).
+    lookups = stats(url)["router"]["replica_routing"]["HotLane"]["lookups"]
+    assert lookups.get("ok", 0) >= 6 and "timeout" not in lookups, lookups
     hot = lanes(url)["hot"]
     assert len(hot) == HOT_REPLICAS and all(r["prefix_feed"]["mode"] == "kv_events" for r in hot), hot
     # Every replica that served a group fed the index from its engine's events. Only one replica answers the stats
