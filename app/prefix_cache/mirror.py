@@ -75,6 +75,7 @@ class IndexMirror:
         self.snapshots = 0
         self.ops_applied = 0
         self.sync_errors = 0
+        self.sync_task = None  # the process's sync loop (request_router.sync_mirror_forever), held here
 
     def cursor(self) -> tuple[str | None, int]:
         return self.epoch, self.seq

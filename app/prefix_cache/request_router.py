@@ -11,13 +11,15 @@ Plug into a lane deployment:
     )
 
 Per request (`choose_replicas`): read `prompt_token_ids` from the request's first argument (a LaneRequest object or
-dict; keyword arguments are searched too), hash its full blocks (index.block_hashes), ask the PrefixCache deployment
+dict; keyword arguments are searched too), hash its full blocks (index.block_hashes), look them up in this process's
+copy of the index (`lookup_mode="local_mirror"`, mirror.py, synced from the PrefixCache every
+`mirror_sync_interval_s`) or, with `lookup_mode="remote"`, ask the PrefixCache deployment
 `lookup(hashes, block_size) -> list[(replica_id, matched_tokens)]` under `asyncio.wait_for` with a small budget,
 and apply policy.decide on the candidates' loads: queue length from Serve's queue-length cache (probing replicas
-missing from it) and `kv_usage` from the replica's routing stats. A timeout, an error or a PrefixCache handle not yet
-ready all mean load-only routing: no request waits on, or fails because of, the prefix cache. Nothing here blocks the
-event loop: the PrefixCache handle is created in a worker thread (creating a handle's router from the router's own
-event loop would deadlock it), and the lookup is awaited.
+missing from it) and `kv_usage` from the replica's routing stats. A stale copy, a timeout, an error or a PrefixCache
+handle not yet ready all mean load-only routing: no request waits on, or fails because of, the prefix cache. Nothing
+here blocks the event loop: the PrefixCache handle is created in a worker thread (creating a handle's router from the
+router's own event loop would deadlock it), a local lookup is a dictionary walk, and a remote one is awaited.
 
 Replica ids in the index are `ReplicaID.to_full_id_str()`; the engine replica reports under
 `serve.get_replica_context().replica_id.to_full_id_str()`. The replica implements
@@ -254,8 +256,8 @@ class PrefixAffinityRouter(RequestRouter):
             app_name = self._prefix_cache_app if self._prefix_cache_app is not None else self._deployment_id.app_name
             self._mirror, owner = shared_mirror(app_name, self._prefix_cache_deployment, self.max_index_entries,
                                                 self.mirror_max_staleness_s)
-            if owner:  # one sync loop per process, shared by the lanes' routers
-                asyncio.get_running_loop().create_task(
+            if owner:  # one sync loop per process, shared by the lanes' routers; the mirror keeps the task alive
+                self._mirror.sync_task = asyncio.get_running_loop().create_task(
                     sync_mirror_forever(self._mirror, pull_changes, self.mirror_sync_interval_s),
                     name="prefix-index-mirror-sync")
 
