@@ -274,6 +274,23 @@ def kv_and_prefix(samples: list[dict[str, Any]], final: Any) -> dict[str, dict[s
     return lanes
 
 
+def replica_routing(final: Any) -> dict[str, dict[str, Any]]:
+    """Per lane deployment, the answering Router replica's prefix-affinity decisions from the final admin stats:
+    decision time p50/p99, reasons and lookup outcomes (a lookup that misses its budget routes on load only, so a
+    high timeout share means "affinity" mostly ran as pow2)."""
+    if not isinstance(final, dict):
+        return {}
+    routing = (final.get("router") or {}).get("replica_routing") or {}
+    rows = {}
+    for deployment, entry in sorted(routing.items()):
+        lookups = entry.get("lookups") or {}
+        total = sum(lookups.values())
+        rows[deployment] = {"p50_ms": entry.get("p50_ms"), "p99_ms": entry.get("p99_ms"),
+                            "reasons": entry.get("reasons") or {}, "lookups": lookups,
+                            "lookups_ok_share": lookups.get("ok", 0) / total if total else None}
+    return rows
+
+
 def read_gpu_csv(path: Path) -> dict[str, Any]:
     """nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm
     --format=csv,noheader,nounits, one row a second."""
@@ -336,6 +353,7 @@ def phase_summary(phase_dir: Path, kv_predictions: dict[str, dict[str, int]]) ->
         measured = row.get("kv_capacity_tokens")
         row["kv_measured_over_budget"] = measured / predicted if measured and predicted else None
     result["lanes"] = lanes
+    result["replica_routing"] = replica_routing(_read_json(phase_dir / "stats-final.json"))
     result["gpu"] = read_gpu_csv(phase_dir / "gpu.csv")
     smoke_result = _read_json(phase_dir / "smoke.json")
     if smoke_result:
@@ -475,6 +493,21 @@ def render_summary_md(summary: dict[str, Any]) -> str:
                 f"{'–' if ratio is None else f'{ratio:.3f}'} | {'–' if hit is None else f'{hit * 100:.1f} %'} |")
     lines += ["", "kv_budget is run without `--reserve-gib`, so it is an upper bound: the engine also subtracts the "
               "activation peak and CUDA-graph memory it measures at start-up.", ""]
+    routed = [(p["label"], deployment, row) for p in summary["phases"]
+              for deployment, row in (p.get("replica_routing") or {}).items()]
+    if routed:
+        lines += ["## Prefix-affinity routing (one Router replica, whole phase)", "",
+                  "| phase | deployment | decision p50 / p99 (ms) | lookups | ok share | reasons |",
+                  "|---|---|---|---|---|---|"]
+        for label, deployment, row in routed:
+            share = row["lookups_ok_share"]
+            lookups = ", ".join(f"{k} {v}" for k, v in sorted(row["lookups"].items())) or "–"
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["reasons"].items())) or "–"
+            p50, p99 = row.get("p50_ms"), row.get("p99_ms")
+            lines.append(f"| {label} | {deployment} | {'–' if p50 is None else f'{p50:.2f}'} / "
+                         f"{'–' if p99 is None else f'{p99:.2f}'} | {lookups} | "
+                         f"{'–' if share is None else f'{share * 100:.0f} %'} | {reasons} |")
+        lines.append("")
     return "\n".join(lines)
 
 

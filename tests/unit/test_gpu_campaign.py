@@ -165,6 +165,18 @@ def test_kv_and_prefix_take_peaks_over_samples_and_rates_from_the_final_snapshot
     assert lanes["hot"]["kv_capacity_tokens"] == 90_000
 
 
+def test_replica_routing_shows_how_many_lookups_answered_in_time():
+    final = {"router": {"replica_routing": {"HotLane": {
+        "p50_ms": 5.2, "p99_ms": 9.8, "reasons": {"affinity": 312, "lookup_failed": 703},
+        "lookups": {"ok": 346, "timeout": 703}}}}}
+    rows = gc.replica_routing(final)
+    assert rows["HotLane"]["lookups_ok_share"] == pytest.approx(346 / 1049)
+    assert gc.replica_routing({"error": "x"}) == {} and gc.replica_routing(None) == {}
+    markdown = gc.render_summary_md({"generated_at": "now", "deferred": [], "scenarios": [],
+                                     "phases": [{"label": "affinity", "scenarios": {}, "replica_routing": rows}]})
+    assert "| affinity | HotLane | 5.20 / 9.80 | ok 346, timeout 703 | 33 % | affinity 312, lookup_failed 703 |" in markdown
+
+
 def test_gpu_csv_skips_bad_rows(tmp_path):
     path = tmp_path / "gpu.csv"
     path.write_text("2025/01/01 00:00:00.000, 1000, 143771, 0, 80.5, 345\n"
