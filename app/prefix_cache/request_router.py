@@ -88,6 +88,12 @@ def extract_prompt_token_ids(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> 
     return None
 
 
+def count_outcome(outcomes: dict[str, int] | None, outcome: str) -> None:
+    """Tally one lookup outcome (the decision stats' `lookups`), when a tally is given."""
+    if outcomes is not None:
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+
 async def lookup_with_budget(
     lookup: PrefixLookup | None, hashes: list[BlockHash], block_size: int, timeout_s: float,
     outcomes: dict[str, int] | None = None,
@@ -95,23 +101,19 @@ async def lookup_with_budget(
     """replica id -> matched tokens, or None when there is no lookup yet, it timed out or it failed. Each outcome
     (ok / unavailable / timeout / error) is counted in `outcomes` when given: "lookup_failed" has three causes."""
 
-    def count(outcome: str) -> None:
-        if outcomes is not None:
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
     if lookup is None:
-        count("unavailable")
+        count_outcome(outcomes, "unavailable")
         return None
     try:
         matches = await asyncio.wait_for(lookup(hashes, block_size), timeout=timeout_s)
     except asyncio.TimeoutError:
-        count("timeout")
+        count_outcome(outcomes, "timeout")
         return None
     except Exception as error:  # a dead PrefixCache is routine here: route on load
-        count("error")
+        count_outcome(outcomes, "error")
         logger.debug("prefix lookup failed: %r", error)
         return None
-    count("ok")
+    count_outcome(outcomes, "ok")
     return {str(replica_id): int(tokens) for replica_id, tokens in matches}
 
 
@@ -119,13 +121,15 @@ def mirror_lookup(mirror: IndexMirror | None, hashes: list[BlockHash], block_siz
                   outcomes: dict[str, int] | None = None) -> dict[str, int] | None:
     """replica id -> matched tokens from the local copy of the index, or None (no copy yet, or stale: load-only).
     Outcomes: ok / unavailable / stale."""
-    outcome = "unavailable" if mirror is None else "ok"
-    matches = mirror.lookup(hashes, block_size) if mirror is not None else None
-    if mirror is not None and matches is None:
-        outcome = "stale"
-    if outcomes is not None:
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    return None if matches is None else {m.replica_id: m.matched_tokens for m in matches}
+    if mirror is None:
+        count_outcome(outcomes, "unavailable")
+        return None
+    matches = mirror.lookup(hashes, block_size)
+    if matches is None:
+        count_outcome(outcomes, "stale")
+        return None
+    count_outcome(outcomes, "ok")
+    return {m.replica_id: m.matched_tokens for m in matches}
 
 
 async def sync_mirror_forever(mirror: IndexMirror, pull: Callable[[str | None, int], Awaitable[dict[str, Any]]],
