@@ -205,6 +205,16 @@ def test_cold_lane_scales_out_on_backlog_warms_the_new_replica_and_scales_back(s
     assert wait_until(lambda: len(lanes(url)["cold"]) == 2, timeout_s=180), lanes(url)["cold"]
     scaled_out_s = time.monotonic() - backlog_at
     (new,) = [r for r in lanes(url)["cold"] if r["replica_id"] != first_replica]
+    # The batch window is per cold replica: with two, the (only) Router keeps twice the window in flight. Checked
+    # first, while the backlog that scaled the lane out is still there: once it drains, the lane scales back to one
+    # replica (downscale_delay_s 6) and the Router rightly follows.
+
+    def dispatching_for_two_replicas() -> bool:
+        router = stats(url)["router"]
+        return (router["replicas_seen"] == {"cold": 2, "router": 1}
+                and router["batch_in_flight_limit"] == 2 * router["batch_window"])
+
+    assert wait_until(dispatching_for_two_replicas, timeout_s=30), stats(url)["router"]
     # Warmed before it took traffic: it prefilled the pinned prefixes, and the index knows it holds them.
     assert new["prefix_feed"]["warmup"]["prefixes"] >= 1 and new["prefix_feed"]["warmup"]["error"] is None, new
     assert holders(url, pinned[0]).get(new["replica_id"], 0) >= PREFIX_TOKENS, holders(url, pinned[0])
@@ -229,14 +239,6 @@ def test_cold_lane_scales_out_on_backlog_warms_the_new_replica_and_scales_back(s
     # And the new replica is serving: batch lines reach it.
     assert wait_until(lambda: any(r["replica_id"] == new["replica_id"] and r["served_by_class"].get("batch", 0) > 0
                                   for r in lanes(url)["cold"]), timeout_s=60), lanes(url)["cold"]
-    # The batch window is per cold replica: with two, the (only) Router keeps twice the window in flight.
-
-    def dispatching_for_two_replicas() -> bool:
-        router = stats(url)["router"]
-        return (router["replicas_seen"] == {"cold": 2, "router": 1}
-                and router["batch_in_flight_limit"] == 2 * router["batch_window"])
-
-    assert wait_until(dispatching_for_two_replicas, timeout_s=30), stats(url)["router"]
 
     done = wait_for_batch(client, batch.id, timeout_s=600)
     assert done.status == "completed" and done.request_counts.completed == BATCH_LINES, done
