@@ -1,0 +1,82 @@
+"""The approximate prefix feed on the real CPU engine: no KV-cache events, the index learns from routing.
+
+`prefix_cache.feed: approximate` is the fallback for engines without KV events: the Router records each long prompt
+on the replica Serve routed it to, and the PrefixCache forgets an entry nobody added or looked up for
+`approximate_ttl_s`. Its own app (two hot-lane replicas, a short TTL), started after every other integration module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import AppProcess, local_test_document, wait_until
+from tests.integration.test_zzz_prefix_affinity_and_scaling import (
+    PREFIX_TOKENS,
+    complete,
+    holders,
+    lanes,
+    router_mirror_caught_up,
+    shared_prefix_prompt,
+    stats,
+)
+
+HOT_REPLICAS = 2
+# Longer than the test's own requests take, short enough to watch expire (the PrefixCache sweeps every 5 s).
+APPROXIMATE_TTL_S = 8
+
+
+def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
+    document, args = local_test_document(tiny_model)
+    args["hot_lane"]["deployment"]["num_replicas"] = HOT_REPLICAS
+    args["prefix_cache"].update(feed="approximate", approximate_ttl_s=APPROXIMATE_TTL_S)
+    path = tmp_dir / "prefix-approximate.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture(scope="module")
+def approximate_app(tmp_path_factory, tiny_model):
+    tmp_dir = tmp_path_factory.mktemp("prefix-approximate")
+    app = AppProcess(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
+    try:
+        app.start()
+        assert wait_until(lambda: len(lanes(app.url)["hot"]) == HOT_REPLICAS, timeout_s=60), lanes(app.url)
+        yield app
+    finally:
+        app.stop()
+
+
+def test_routing_feeds_the_index_and_unused_entries_expire(approximate_app, served_model):
+    url = approximate_app.url
+    hot = lanes(url)["hot"]
+    assert all(r["prefix_feed"]["mode"] == "approximate" for r in hot), hot
+
+    for group in (70, 71):
+        first = complete(url, served_model, shared_prefix_prompt(group, 0))
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-llm-lanes-replica"]
+        # Recorded where Serve routed it, not reported by the engine.
+        assert wait_until(lambda: holders(url, shared_prefix_prompt(group, 0)).get(holder, 0) >= PREFIX_TOKENS,
+                          timeout_s=10), holders(url, shared_prefix_prompt(group, 0))
+        assert wait_until(lambda: router_mirror_caught_up(url), timeout_s=10), stats(url)["router"]
+        for question in (1, 2):
+            response = complete(url, served_model, shared_prefix_prompt(group, question))
+            assert response.status_code == 200, response.text
+            # Same replica, and its engine had the prefix cached: the approximate entry was right.
+            assert response.headers["x-llm-lanes-replica"] == holder, (group, question, holder)
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_TOKENS
+
+    # No engine was given a KV-events endpoint: the feed is the routing alone.
+    assert all("events" not in r["prefix_feed"] for r in lanes(url)["hot"]), lanes(url)["hot"]
+    routing = stats(url)["router"]["replica_routing"]["HotLane"]["reasons"]
+    assert routing.get("affinity", 0) >= 4, routing
+
+    # Unused for the TTL, the entries go (a lookup counts as use, so only look once they should be gone).
+    entries = stats(url)["prefix_cache"]["entries"]
+    assert entries > 0
+    assert wait_until(lambda: stats(url)["prefix_cache"]["entries"] == 0,
+                      timeout_s=APPROXIMATE_TTL_S + 20), stats(url)["prefix_cache"]
+    assert holders(url, shared_prefix_prompt(70, 0)) == {}
