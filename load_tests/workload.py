@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable
@@ -19,6 +20,9 @@ from load_tests.scenario import Scenario, StreamSpec
 
 # Enough connections that the client never becomes the queue being measured.
 MAX_CONNECTIONS = 2048
+# Outstanding requests per HTTP client (ClientPool): above a few dozen, httpcore's per-request pool scan costs the
+# generator more CPU than a 2-core host can spare.
+REQUESTS_PER_CLIENT = 32
 WARMUP_MAX_TOKENS = 4
 
 OnDone = Callable[[RequestRecord], None]
@@ -33,11 +37,19 @@ def split_urls(base_url: str) -> list[str]:
 
 
 class ClientPool:
-    """`async with ClientPool(base_url, **httpx_client_options) as pool`: one HTTP client per server of the base URL
-    (split_urls), closed on exit; `pool.next()` hands them out round robin."""
+    """`async with ClientPool(base_url, clients_per_server=1, **httpx_client_options) as pool`: HTTP clients for
+    each server of the base URL (split_urls), closed on exit; `pool.next()` hands them out round robin.
 
-    def __init__(self, base_url: str, **client_options: Any):
-        self.clients = [httpx.AsyncClient(base_url=url, **client_options) for url in split_urls(base_url)]
+    Several clients per server when many requests are outstanding at once: httpcore's connection pool scans all of
+    its connections for every request it places, so one client holding 256 connections kept the load generator's
+    event loop busy for seconds at a time and sent the scenario's arrivals in clumps (2026-12-03, mixed_backlog.yaml:
+    py-spy showed the loop in httpcore's connection pool). The latency measured was the generator's."""
+
+    def __init__(self, base_url: str, clients_per_server: int = 1, **client_options: Any):
+        if clients_per_server < 1:
+            raise ValueError(f"clients_per_server must be >= 1, got {clients_per_server}")
+        self.clients = [httpx.AsyncClient(base_url=url, **client_options)
+                        for _ in range(clients_per_server) for url in split_urls(base_url)]
         self._turn = itertools.cycle(self.clients)
 
     def next(self) -> httpx.AsyncClient:
@@ -59,7 +71,8 @@ async def run_scenario(
     # The per-request deadline is enforced by `send`; httpx's own timeouts only guard against a dead socket.
     timeout = httpx.Timeout(scenario.request_timeout_s, connect=30.0)
     factory = PromptFactory(scenario)
-    async with ClientPool(base_url, limits=limits, timeout=timeout) as pool:
+    clients = max(1, math.ceil(peak_outstanding(scenario) / REQUESTS_PER_CLIENT))
+    async with ClientPool(base_url, clients_per_server=clients, limits=limits, timeout=timeout) as pool:
         await _warm_up(pool, scenario, factory)
         records: list[RequestRecord] = []
         run_start = time.perf_counter()
@@ -75,8 +88,23 @@ async def run_scenario(
         return records, time.perf_counter() - run_start
 
 
+def peak_outstanding(scenario: Scenario) -> int:
+    """Requests the scenario's closed-loop and burst streams keep outstanding at once (Poisson streams add their
+    rate: about one second's arrivals in flight)."""
+    total = 0
+    for stream in scenario.streams:
+        arrival = stream.arrival
+        if arrival.type == "closed":
+            total += arrival.concurrency
+        elif arrival.type == "burst":
+            total += arrival.n
+        else:
+            total += math.ceil(arrival.rate)
+    return total
+
+
 async def _warm_up(pool: ClientPool, scenario: Scenario, factory: PromptFactory) -> None:
-    # At least one request per server, so each has its connections open before the measured part.
+    # At least one request per client (so per server), so each has a connection open before the measured part.
     for i in range(max(scenario.warmup_requests, len(pool.clients) if scenario.warmup_requests else 0)):
         stream = scenario.streams[i % len(scenario.streams)]
         spec = factory.request(stream, -1 - i)

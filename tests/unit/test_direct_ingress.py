@@ -151,3 +151,21 @@ def test_serve_config_flow_loads_the_replica_ports_not_the_proxy(tmp_path):
     )
     assert [r.label for r in runs] == ["lanes-direct-ingress"] and runs[0].error is None
     assert len(runs[0].records) == 8 and all(r.ok for r in runs[0].records)
+
+
+def test_many_outstanding_requests_are_spread_over_several_clients_per_server():
+    from load_tests.workload import REQUESTS_PER_CLIENT, ClientPool, peak_outstanding
+
+    scenario = parse_scenario({"name": "s", "model": "m", "streams": [
+        {"name": "batch", "arrival": {"type": "closed", "concurrency": 256}, "duration_s": 1, "prompt_tokens": 8, "max_tokens": 1},
+        {"name": "burst", "arrival": {"type": "burst", "n": 20, "at_s": 0}, "prompt_tokens": 8, "max_tokens": 1},
+        {"name": "chat", "arrival": {"type": "poisson", "rate": 1.5}, "duration_s": 1, "prompt_tokens": 8, "max_tokens": 1}]})
+    assert peak_outstanding(scenario) == 256 + 20 + 2
+    assert REQUESTS_PER_CLIENT == 32
+    pool = ClientPool("http://a:1,http://b:2", clients_per_server=3)
+    urls = [str(pool.next().base_url) for _ in range(6)]
+    # Round robin over every client, alternating servers: each server gets half the requests.
+    assert len(pool.clients) == 6 and len({id(pool.next()) for _ in range(6)}) == 6
+    assert sorted(urls) == ["http://a:1", "http://a:1", "http://a:1", "http://b:2", "http://b:2", "http://b:2"]
+    with pytest.raises(ValueError, match="clients_per_server"):
+        ClientPool("http://a:1", clients_per_server=0)
