@@ -98,6 +98,10 @@ class IndexMirror:
     def sync_failed(self) -> None:
         self.sync_errors += 1
 
+    def resync(self) -> None:
+        """Ask for a snapshot at the next pull (forget the cursor); the entries answer lookups until it comes."""
+        self.epoch, self.seq = None, 0
+
     def is_fresh(self) -> bool:
         return self.synced_at is not None and self.clock() - self.synced_at <= self.max_staleness_s
 

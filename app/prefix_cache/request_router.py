@@ -142,7 +142,7 @@ async def sync_mirror_forever(mirror: IndexMirror, pull: Callable[[str | None, i
             try:
                 mirror.apply(changes)
             except ValueError:  # another epoch's ops (a restart between two pulls): start over from a snapshot
-                mirror.epoch = None
+                mirror.resync()
         except asyncio.CancelledError:
             raise
         except Exception as error:  # a dead or slow PrefixCache is routine here

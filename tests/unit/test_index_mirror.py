@@ -111,6 +111,9 @@ def test_ops_from_another_epoch_are_refused():
     mirror.apply({"epoch": "e1", "seq": 0, "snapshot": []})
     with pytest.raises(ValueError, match="snapshot"):
         mirror.apply({"epoch": "e2", "seq": 4, "ops": [("add", "r1", [1])]})
+    # The sync loop's answer to that: the next pull asks for a snapshot.
+    mirror.resync()
+    assert mirror.cursor() == (None, 0)
 
 
 async def test_the_sync_loop_survives_a_dead_prefix_cache_and_follows_a_restart():
