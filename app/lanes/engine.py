@@ -59,17 +59,17 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
     return args
 
 
-def bind_cpu_threads(cfg: AppConfig, settings: EngineSettings) -> None:
-    """Pin the next engine's CPU worker to the lane's cores: vLLM's CPU worker reads VLLM_CPU_OMP_THREADS_BIND when it
-    starts, and two engines left on the default share core 0."""
-    if cfg.device == "cpu" and settings.cpu_threads_bind:
+def place_on_cpus(cfg: AppConfig, settings: EngineSettings) -> None:
+    """Before an engine starts on the CPU, put it where the lane's settings say:
+    - its worker threads on `cpu_threads_bind`: vLLM's CPU worker reads VLLM_CPU_OMP_THREADS_BIND when it starts, and
+      two engines left on the default share core 0;
+    - this (replica) process on `cpu_frontend_bind`, so the engine-core process it spawns inherits those cores
+      (app/lanes/cpu_priority.py says why)."""
+    if cfg.device != "cpu":
+        return
+    if settings.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
-
-
-def pin_frontend(cfg: AppConfig, settings: EngineSettings) -> None:
-    """Pin this (replica) process to the lane's cpu_frontend_bind cores before the engine starts, so the engine-core
-    process it spawns inherits them (app/lanes/cpu_priority.py says why)."""
-    if cfg.device != "cpu" or not settings.cpu_frontend_bind:
+    if not settings.cpu_frontend_bind:
         return
     cpus = parse_cpu_list(settings.cpu_frontend_bind)
     try:
@@ -99,8 +99,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        bind_cpu_threads(self.cfg, self.settings)
-        pin_frontend(self.cfg, self.settings)
+        place_on_cpus(self.cfg, self.settings)
         args = engine_args_dict(self.cfg, self.settings, self.kv_events_config)
         if "kv_events_config" in args:
             from vllm.config import KVEventsConfig
@@ -235,8 +234,7 @@ def offline_generate(cfg: AppConfig, settings: EngineSettings, prompts: list[lis
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    bind_cpu_threads(cfg, settings)
-    pin_frontend(cfg, settings)  # as a lane replica does: the same settings, the same placement
+    place_on_cpus(cfg, settings)  # as a lane replica does: the same settings, the same placement
     started = time.perf_counter()
     # The lane's own engine arguments, unchanged (LLM passes them to EngineArgs); stream_interval has no effect here,
     # as LLM.generate returns whole outputs.

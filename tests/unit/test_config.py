@@ -1,5 +1,6 @@
 """Config schema rules: each rule fails with a message that names the field and the fix."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,18 @@ def test_cpu_frontend_bind_is_a_cpu_list_and_stays_out_of_the_engine_args():
     cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "0-1"}))
     assert cfg.cold_lane.engine.cpu_frontend_bind == "0-1" and cfg.hot_lane.engine.cpu_frontend_bind is None
     assert "cpu_frontend_bind" not in engine_args_dict(cfg, cfg.cold_lane.engine)
+
+
+def test_place_on_cpus_binds_the_engine_threads_and_names_a_frontend_core_the_host_lacks(monkeypatch):
+    from app.lanes.engine import place_on_cpus
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cfg = load_app_config(cpu_args(**{"hot_lane.engine.cpu_threads_bind": "0"}))
+    place_on_cpus(cfg, cfg.hot_lane.engine)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+    affinity = os.sched_getaffinity(0)
+    cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "4095"}))
+    with pytest.raises(RuntimeError, match=r"cpu_frontend_bind='4095' cannot be applied on this host"):
+        place_on_cpus(cfg, cfg.cold_lane.engine)
+    assert os.sched_getaffinity(0) == affinity  # nothing was pinned
