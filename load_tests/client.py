@@ -96,6 +96,9 @@ class RequestRecord:
     index: int
     streaming: bool
     start_s: float  # since the run's start
+    # Open-loop arrivals (Poisson, burst): how late the generator sent the request after its scheduled arrival. A
+    # generator short of CPU sends arrivals in clumps and its own stall counts as latency: this shows it.
+    send_lag_s: float | None = None
     e2e_s: float | None = None
     ttft_s: float | None = None
     # Offsets from the request's start of every chunk that carried output text.
@@ -174,10 +177,13 @@ def _take_usage(record: RequestRecord, payload: dict[str, Any]) -> None:
 
 async def send(
     client: httpx.AsyncClient, spec: RequestSpec, run_start: float, tally_headers: list[str], timeout_s: float,
-    count_empty_chunks: bool = False,
+    count_empty_chunks: bool = False, scheduled_s: float | None = None,
 ) -> RequestRecord:
+    """One request; `scheduled_s` (since run_start) is when an open-loop arrival was due."""
     start = time.perf_counter()
     record = RequestRecord(spec.stream, spec.request_class, spec.index, spec.streaming, start - run_start)
+    if scheduled_s is not None:
+        record.send_lag_s = max(0.0, record.start_s - scheduled_s)
     try:
         await asyncio.wait_for(
             _exchange(client, spec, record, start, tally_headers, count_empty_chunks), timeout_s

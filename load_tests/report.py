@@ -96,12 +96,24 @@ CLASS_ROWS: list[tuple[str, Any]] = [
     ("TPOT p50 / p99 (ms)", lambda s: " / ".join(_num(s["tpot_ms"][f"p{q}"], 2) for q in (50, 99))),
     ("ITL p50 / p99 (ms)", lambda s: " / ".join(_num(s["itl_ms"][f"p{q}"], 2) for q in (50, 99))),
     ("E2E p50 / p90 / p99 (ms)", lambda s: " / ".join(_num(s["e2e_ms"][f"p{q}"]) for q in (50, 90, 99))),
+    ("load generator send lag p50 / p99 (ms)", lambda s: _send_lag(s.get("send_lag_ms"))),
     ("output tokens", lambda s: _num(s["output_tokens"])),
     ("output tokens/s", lambda s: _num(s["output_tokens_per_s"])),
     ("requests/s (ok)", lambda s: _num(s["requests_per_s"], 2)),
     ("prefix hit rate (cached ÷ prompt tokens)", lambda s: _num(s.get("prefix_hit_rate"), 3)),
     ("goodput (fraction within SLO)", lambda s: _goodput(s["goodput"])),
 ]
+
+
+# Open-loop arrivals sent later than this at p99 mean the generator, not only the app, shaped the latencies.
+SEND_LAG_WARN_MS = 50.0
+
+
+def _send_lag(lag: dict[str, Any] | None) -> str:
+    if not lag or not lag.get("count"):
+        return "– (closed loop)"
+    text = f"{_num(lag['p50'])} / {_num(lag['p99'])}"
+    return text + (" **(generator fell behind)**" if lag["p99"] > SEND_LAG_WARN_MS else "")
 
 
 def _goodput(goodput: dict[str, Any]) -> str:

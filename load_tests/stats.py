@@ -77,6 +77,8 @@ def summarize_class(
         "tpot_ms": distribution_ms(t for t in map(tpot_s, ok) if t is not None),
         "itl_ms": distribution_ms(gap for r in ok for gap in itl_s(r)),
         "e2e_ms": distribution_ms(r.e2e_s for r in ok if r.e2e_s is not None),
+        # Open-loop arrivals only (count 0 for closed-loop streams): the generator's own delay in sending.
+        "send_lag_ms": distribution_ms(r.send_lag_s for r in records if r.send_lag_s is not None),
         "window_s": window_s,
         "output_tokens": output_tokens,
         "output_tokens_per_s": per_s(output_tokens),

@@ -126,9 +126,9 @@ async def _run_stream(
     tally = scenario.tally_headers
     timeout_s = scenario.request_timeout_s
 
-    async def one(index: int) -> None:
+    async def one(index: int, scheduled_s: float | None = None) -> None:
         finished(await send(pool.next(), factory.request(stream, index), run_start, tally, timeout_s,
-                            scenario.count_empty_chunks))
+                            scenario.count_empty_chunks, scheduled_s))
 
     def elapsed() -> float:
         return time.perf_counter() - run_start - stream.start_s
@@ -137,7 +137,7 @@ async def _run_stream(
     arrival = stream.arrival
     if arrival.type == "burst":
         await asyncio.sleep(arrival.at_s)
-        await asyncio.gather(*(one(i) for i in range(arrival.n)))
+        await asyncio.gather(*(one(i, stream.start_s + arrival.at_s) for i in range(arrival.n)))
     elif arrival.type == "poisson":
         rng = random.Random(f"{scenario.seed}:{stream.name}:arrivals")
         tasks: list[asyncio.Task[None]] = []
@@ -148,7 +148,7 @@ async def _run_stream(
             if delay > 0:
                 await asyncio.sleep(delay)
             # Open loop: the next arrival does not wait for this one to finish.
-            tasks.append(asyncio.create_task(one(index)))
+            tasks.append(asyncio.create_task(one(index, stream.start_s + next_at)))
             index += 1
             next_at += rng.expovariate(arrival.rate)
         await asyncio.gather(*tasks)

@@ -198,6 +198,7 @@ def test_prompts_are_deterministic_sized_and_share_prefixes():
 
 def record(cls="interactive", start=0.0, ttft=0.1, chunks=(0.1, 0.2, 0.3, 0.4), tokens=4, status=200, **kw):
     e2e = kw.pop("e2e", chunks[-1] if chunks else 1.0)
+    kw.setdefault("send_lag_s", kw.pop("send_lag", None))
     return RequestRecord(
         stream=cls, request_class=cls, index=0, streaming=True, start_s=start, e2e_s=e2e, ttft_s=ttft,
         chunk_offsets_s=list(chunks), output_tokens=tokens, status=status, usage_reported=True, **kw,
@@ -333,9 +334,26 @@ async def test_client_end_to_end_against_fake_sse_server(tmp_path):
     assert len(rt) == 2 and all(r.status == 429 and r.retry_after == "7" and r.error_key == "429" for r in rt)
     tiers = sorted(body["service_tier"] for body in seen)
     assert tiers == ["default"] * 5 + ["flex"] * 3 + ["priority"] * 2
+    # Open-loop arrivals (Poisson chat, burst bulk) carry how late they were sent; closed-loop ones do not.
+    assert all(r.send_lag_s is not None and 0 <= r.send_lag_s < 1.0 for r in chat + bulk)
+    assert all(r.send_lag_s is None for r in rt)
     summary = summarize(records, scenario.slo, scenario.tally_headers)
     assert summary["classes"]["realtime"]["errors"] == {"429": 2}
     assert summary["classes"]["interactive"]["goodput"]["good"] == 5
+    assert summary["classes"]["interactive"]["send_lag_ms"]["count"] == 5
+    assert summary["classes"]["realtime"]["send_lag_ms"]["count"] == 0
+
+
+def test_report_flags_a_load_generator_that_fell_behind():
+    scenario = parse_scenario(BASE)
+    on_time = [record(start=0.1 * i, send_lag=0.002) for i in range(10)]
+    behind = [record(start=0.1 * i, send_lag=0.002 if i < 5 else 2.0) for i in range(10)]
+    markdown = render_markdown(build_report(scenario, [RunResult("a", "x", "now", 1.0, on_time),
+                                                       RunResult("b", "y", "now", 1.0, behind)]))
+    (row,) = [line for line in markdown.splitlines() if line.startswith("| load generator send lag")]
+    cells = [cell.strip() for cell in row.split("|")[2:-1]]
+    assert cells[0] == "2.0 / 2.0"
+    assert cells[1].endswith("**(generator fell behind)**")
 
 
 async def test_transport_error_and_timeout_are_recorded():
