@@ -12,6 +12,7 @@ import asyncio
 import io
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,16 +50,22 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def scaling_app(tmp_path_factory, tiny_model):
-    tmp_dir = tmp_path_factory.mktemp("prefix-scaling")
-    app = AppProcess(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
+def serve_with_hot_replicas(config: Path, log_path: Path, hot_replicas: int) -> Iterator[AppProcess]:
+    """A module's own app (for a module-scoped fixture to `yield from`): started, handed over once `hot_replicas`
+    hot-lane replicas report, stopped afterwards."""
+    app = AppProcess(config, log_path)
     try:
         app.start()
-        assert wait_until(lambda: len(lanes(app.url)["hot"]) == HOT_REPLICAS, timeout_s=60), lanes(app.url)
+        assert wait_until(lambda: len(lanes(app.url)["hot"]) == hot_replicas, timeout_s=60), lanes(app.url)
         yield app
     finally:
         app.stop()
+
+
+@pytest.fixture(scope="module")
+def scaling_app(tmp_path_factory, tiny_model):
+    tmp_dir = tmp_path_factory.mktemp("prefix-scaling")
+    yield from serve_with_hot_replicas(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log", HOT_REPLICAS)
 
 
 def stats(url: str, attempts: int = 3) -> dict:

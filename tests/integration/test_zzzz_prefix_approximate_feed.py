@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.conftest import AppProcess, local_test_document, wait_until
+from tests.integration.conftest import local_test_document, wait_until
 from tests.integration.test_zzz_prefix_affinity_and_scaling import (
     PREFIX_TOKENS,
     complete,
     holders,
     lanes,
     router_mirror_caught_up,
+    serve_with_hot_replicas,
     shared_prefix_prompt,
     stats,
 )
@@ -40,13 +41,7 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
 @pytest.fixture(scope="module")
 def approximate_app(tmp_path_factory, tiny_model):
     tmp_dir = tmp_path_factory.mktemp("prefix-approximate")
-    app = AppProcess(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
-    try:
-        app.start()
-        assert wait_until(lambda: len(lanes(app.url)["hot"]) == HOT_REPLICAS, timeout_s=60), lanes(app.url)
-        yield app
-    finally:
-        app.stop()
+    yield from serve_with_hot_replicas(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log", HOT_REPLICAS)
 
 
 def test_routing_feeds_the_index_and_unused_entries_expire(approximate_app, served_model):

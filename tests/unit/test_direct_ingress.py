@@ -156,10 +156,11 @@ def test_serve_config_flow_loads_the_replica_ports_not_the_proxy(tmp_path):
 def test_many_outstanding_requests_are_spread_over_several_clients_per_server():
     from load_tests.workload import REQUESTS_PER_CLIENT, ClientPool, peak_outstanding
 
+    sizes = {"prompt_tokens": 8, "max_tokens": 1}
     scenario = parse_scenario({"name": "s", "model": "m", "streams": [
-        {"name": "batch", "arrival": {"type": "closed", "concurrency": 256}, "duration_s": 1, "prompt_tokens": 8, "max_tokens": 1},
-        {"name": "burst", "arrival": {"type": "burst", "n": 20, "at_s": 0}, "prompt_tokens": 8, "max_tokens": 1},
-        {"name": "chat", "arrival": {"type": "poisson", "rate": 1.5}, "duration_s": 1, "prompt_tokens": 8, "max_tokens": 1}]})
+        {"name": "batch", "arrival": {"type": "closed", "concurrency": 256}, "duration_s": 1, **sizes},
+        {"name": "burst", "arrival": {"type": "burst", "n": 20, "at_s": 0}, **sizes},
+        {"name": "chat", "arrival": {"type": "poisson", "rate": 1.5}, "duration_s": 1, **sizes}]})
     assert peak_outstanding(scenario) == 256 + 20 + 2
     assert REQUESTS_PER_CLIENT == 32
     pool = ClientPool("http://a:1,http://b:2", clients_per_server=3)

@@ -174,7 +174,8 @@ def test_replica_routing_shows_how_many_lookups_answered_in_time():
     assert gc.replica_routing({"error": "x"}) == {} and gc.replica_routing(None) == {}
     markdown = gc.render_summary_md({"generated_at": "now", "deferred": [], "scenarios": [],
                                      "phases": [{"label": "affinity", "scenarios": {}, "replica_routing": rows}]})
-    assert "| affinity | HotLane | 5.20 / 9.80 | ok 346, timeout 703 | 33 % | affinity 312, lookup_failed 703 |" in markdown
+    assert ("| affinity | HotLane | 5.20 / 9.80 | ok 346, timeout 703 | 33 % | affinity 312, lookup_failed 703 |"
+            in markdown)
 
 
 def test_gpu_csv_skips_bad_rows(tmp_path):
