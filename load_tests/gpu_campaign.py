@@ -33,6 +33,8 @@ BASELINE_PHASE = "baseline-fcfs"
 # report's "first / second" ratios.
 PHASE_ORDER = ("lanes-tuned", "lanes", "lanes-tuned-mps", "baseline-fcfs", "baseline-priority")
 HEADLINE_SCENARIO = "gpu_mixed"
+# gpu_campaign.sh names a phase <phase><DIRECT_INGRESS_SUFFIX> when it sends the scenarios past the HTTP proxy.
+DIRECT_INGRESS_SUFFIX = "-di"
 READY_POLL_S = 3.0
 # Long enough that one request normally waits out a lane still starting (Serve holds it until a replica is up):
 # repeated client timeouts would count as lane failures for the circuit breaker.
@@ -365,10 +367,19 @@ def phase_summary(phase_dir: Path, kv_predictions: dict[str, dict[str, int]]) ->
     return result
 
 
+def phase_name(label: str) -> str:
+    """The phase a label names, whichever ingress it ran through: 'baseline-fcfs-di' -> 'baseline-fcfs'."""
+    return label.removesuffix(DIRECT_INGRESS_SUFFIX)
+
+
+def is_baseline(label: str) -> bool:
+    return phase_name(label).startswith("baseline-")
+
+
 def evaluate_targets(phases: list[dict[str, Any]], scenario: str) -> None:
     """Adds phase["targets"][scenario]: issue 7's three conditions (SLO p99s from the scenario, batch >= 0.95 x
     the FCFS baseline's output tokens/s), each True / False / None (not measured)."""
-    baseline = next((p for p in phases if p.get("label") == BASELINE_PHASE), None)
+    baseline = next((p for p in phases if phase_name(p.get("label", "")) == BASELINE_PHASE), None)
     base_batch = None
     if baseline and "classes" in baseline["scenarios"].get(scenario, {}):
         base_batch = (baseline["scenarios"][scenario]["classes"].get("batch") or {}).get("output_tokens_per_s")
@@ -405,7 +416,7 @@ def kv_predictions_from(preflight_dir: Path) -> dict[str, dict[str, int]]:
 def ordered_phase_dirs(campaign: Path) -> list[Path]:
     dirs = [p.parent for p in campaign.glob("*/phase.json")]
     rank = {name: i for i, name in enumerate(PHASE_ORDER)}
-    return sorted(dirs, key=lambda d: (rank.get(d.name, len(rank)), d.name))
+    return sorted(dirs, key=lambda d: (rank.get(phase_name(d.name), len(rank)), d.name))
 
 
 def build_summary(campaign: Path) -> dict[str, Any]:
@@ -536,8 +547,8 @@ def write_combined_reports(campaign: Path, out: Path) -> dict[str, Path]:
                                   error=run.get("error")))
         if not runs or scenario is None:
             continue
-        lanes = [r for r in runs if r.label.startswith("lanes") and not r.error]
-        baseline = [r for r in runs if r.label == BASELINE_PHASE and not r.error]
+        lanes = [r for r in runs if not is_baseline(r.label) and not r.error]
+        baseline = [r for r in runs if phase_name(r.label) == BASELINE_PHASE and not r.error]
         if lanes and baseline:  # ratios are first ÷ second
             first, second = lanes[0], baseline[0]
             runs = [first, second] + [r for r in runs if r is not first and r is not second]

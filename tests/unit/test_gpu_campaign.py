@@ -214,6 +214,16 @@ def test_targets_are_issue_7s_three_conditions_against_the_fcfs_baseline():
     assert "0.971" in markdown and "**no**" in markdown
 
 
+def test_direct_ingress_phases_still_compare_with_their_fcfs_baseline():
+    # DIRECT_INGRESS=1 names every phase <phase>-di, the FCFS baseline too (2026-12-03: the ratio column was empty).
+    phases = [_phase("gpu-lanes-mps-priority-cap85-mps-di", 80, 40, 2720),
+              _phase("baseline-fcfs-di", 30_000, 28_000, 3400)]
+    gc.evaluate_targets(phases, "gpu_mixed")
+    assert phases[0]["targets"]["gpu_mixed"]["batch_vs_fcfs"]["value"] == pytest.approx(0.8)
+    assert gc.phase_name("baseline-fcfs-di") == "baseline-fcfs" and gc.is_baseline("baseline-priority-di")
+    assert not gc.is_baseline("gpu-lanes-mps-priority-cap85-mps-di")
+
+
 def test_targets_unknown_without_a_baseline():
     phases = [_phase("lanes-tuned", 80, 40, 3300)]
     gc.evaluate_targets(phases, "gpu_mixed")
