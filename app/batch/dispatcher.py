@@ -96,6 +96,9 @@ class BatchDispatcher:
         self.stats = DispatcherStats()
         self._in_flight: dict[tuple[str, int], asyncio.Task] = {}
         self._stopping = asyncio.Event()
+        # Set when this Router replica creates a batch, so an idle dispatcher claims its lines at once instead of
+        # at its next poll; batches created through other replicas are found by polling.
+        self._new_work = asyncio.Event()
         self._last_renew = 0.0
         # Replica counts this dispatcher's share is computed from (set_replica_counts); 1 and 1 until told.
         self.cold_replicas = 1
@@ -114,6 +117,10 @@ class BatchDispatcher:
         """The cold lane's and the Router's running replica counts, as the Router last read them."""
         self.cold_replicas, self.router_replicas = cold_replicas, router_replicas
 
+    def notify_new_work(self) -> None:
+        """A batch was just created here: wake the loop if it is idle."""
+        self._new_work.set()
+
     def stop(self) -> None:
         """Ask run() to stop claiming; it returns once the lines in flight have been recorded."""
         self._stopping.set()
@@ -124,15 +131,14 @@ class BatchDispatcher:
         await self._finalize_settled_batches()  # batches whose last line was recorded just before a restart
         try:
             while not self._stopping.is_set():
+                # Cleared before the claim, so a batch created during step() still wakes the wait below.
+                self._new_work.clear()
                 await self.step()
                 if self._in_flight:
                     await asyncio.wait(list(self._in_flight.values()), timeout=self.poll_interval_s,
                                        return_when=asyncio.FIRST_COMPLETED)
                 else:
-                    try:
-                        await asyncio.wait_for(self._stopping.wait(), timeout=self.poll_interval_s)
-                    except asyncio.TimeoutError:
-                        pass
+                    await self._wait_idle()
             if self._in_flight:
                 await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
         except asyncio.CancelledError:
@@ -140,6 +146,15 @@ class BatchDispatcher:
             for task in self._in_flight.values():
                 task.cancel()
             raise
+
+    async def _wait_idle(self) -> None:
+        """Nothing in flight: wait for stop(), a batch created here, or the next poll, whichever comes first."""
+        waits = [asyncio.ensure_future(self._stopping.wait()), asyncio.ensure_future(self._new_work.wait())]
+        try:
+            await asyncio.wait(waits, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def step(self) -> int:
         """One pass: renew leases if due, claim into free window slots, start them. Returns lines claimed."""

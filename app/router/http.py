@@ -738,6 +738,7 @@ class Router:
     async def create_batch(self, body: CreateBatchRequest) -> dict[str, Any]:
         record = await asyncio.to_thread(self.batch_store.create_batch, body.input_file_id, body.endpoint,
                                          body.completion_window, body.metadata)
+        self.dispatcher.notify_new_work()
         return batch_shapes.batch_object(record)
 
     @fastapi_app.get("/v1/batches/{batch_id}")
@@ -798,6 +799,7 @@ class Router:
                                            submission.input_content)
             record = await asyncio.to_thread(self.batch_store.create_batch, file.id, submission.endpoint,
                                              submission.completion_window, submission.metadata or None)
+            self.dispatcher.notify_new_work()
             return convert.batch_from_openai(batch_shapes.batch_object(record))
         except (api.OpenAIError, BatchStoreError) as error:
             self._grpc_error(grpc_context, error)

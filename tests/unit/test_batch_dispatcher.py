@@ -281,3 +281,22 @@ async def test_restart_finalizes_batch_whose_lines_were_all_recorded(db_path):
     await asyncio.wait_for(task, 5)
     assert store.get_batch(batch.id).status == "completed"
     store.close()
+
+
+async def test_idle_dispatcher_claims_a_new_batch_when_notified_not_at_its_next_poll(db_path):
+    store = SqliteBatchStore(db_path)
+    engine = FakeEngine()
+    # A poll interval far longer than the test: only the notification can start the lines in time.
+    dispatcher = BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=60)
+    loop = asyncio.create_task(dispatcher.run())
+    await asyncio.sleep(0.05)  # the loop has found nothing and is waiting
+    batch = make_batch(store, 3)
+    dispatcher.notify_new_work()
+    for _ in range(200):
+        if len(engine.executions) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(line_no for _, line_no in engine.executions) == [1, 2, 3]
+    dispatcher.stop()
+    await asyncio.wait_for(loop, 5)  # stop() also ends the idle wait at once
+    assert store.get_batch(batch.id).request_counts.completed == 3
