@@ -29,6 +29,8 @@ class RunResult:
     wall_s: float = 0.0
     records: list[RequestRecord] = field(default_factory=list)
     error: str | None = None  # set when the run could not happen (app failed to start...)
+    # The generator's event-loop thread over the run (load_tests.host.usage): CPU time and run-queue wait.
+    generator: dict[str, float] | None = None
 
 
 def build_report(scenario: Scenario, runs: list[RunResult]) -> dict[str, Any]:
@@ -42,6 +44,7 @@ def build_report(scenario: Scenario, runs: list[RunResult]) -> dict[str, Any]:
                 "started_at": run.started_at,
                 "wall_s": run.wall_s,
                 "error": run.error,
+                "generator": run.generator,
                 "summary": summary,
                 "records": [record.to_json() for record in run.records],
             }
@@ -123,17 +126,27 @@ def _goodput(goodput: dict[str, Any]) -> str:
     return f"{goodput['fraction'] * 100:.1f} % ({goodput['good']}; {slo})"
 
 
+def _generator(usage: dict[str, float] | None) -> str:
+    if not usage:
+        return "–"
+    return f"{usage['on_cpu_per_s']:.2f} / {usage['runqueue_wait_per_s']:.2f}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     scenario = report["scenario"]
     runs = report["runs"]
     lines = [f"# Load test: {scenario['name']}", ""]
     if scenario.get("description"):
         lines += [scenario["description"].strip(), ""]
-    lines += ["| config | target | started | wall (s) | status |", "|---|---|---|---|---|"]
+    lines += ["| config | target | started | wall (s) | load generator on a CPU / waiting for one (s per s) | status |",
+              "|---|---|---|---|---|---|"]
     for run in runs:
         status = f"failed: {run['error']}" if run["error"] else "ok"
-        lines.append(f"| {run['label']} | `{run['target']}` | {run['started_at']} | {_num(run['wall_s'])} | {status} |")
-    lines.append("")
+        lines.append(f"| {run['label']} | `{run['target']}` | {run['started_at']} | {_num(run['wall_s'])} | "
+                     f"{_generator(run.get('generator'))} | {status} |")
+    lines += ["", "The load generator's share of the host: its event loop's CPU time and the time it was runnable "
+              "but waited for a CPU, per second of the run. Waiting near or above its CPU time means the host, not "
+              "the app, delayed the sends and the measured latencies.", ""]
 
     comparison = report.get("comparison")
     if comparison:

@@ -20,13 +20,14 @@ import argparse
 import asyncio
 import datetime as dt
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 from tqdm import tqdm
 
-from load_tests import direct_ingress
+from load_tests import direct_ingress, host
 from load_tests.client import RequestRecord
 from load_tests.report import RunResult, write_report
 from load_tests.scenario import Scenario, ScenarioError, load_scenario
@@ -57,10 +58,13 @@ def measure(scenario: Scenario, url: str, label: str, target: str, progress: boo
         bar.update(1)
         bar.set_postfix(errors=failures, refresh=False)
 
+    # Warm-up included: the samples bracket the whole asyncio.run, so the rates divide by its elapsed time.
+    before, started = host.sample(), time.perf_counter()
     try:
         result.records, result.wall_s = asyncio.run(run_scenario(scenario, url, on_done=done))
     finally:
         bar.close()
+    result.generator = host.usage(before, host.sample(), time.perf_counter() - started)
     return result
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from load_tests import host
 from load_tests.client import PromptFactory, RequestRecord
 from load_tests.report import RunResult, build_report, render_markdown, write_report
 from load_tests.run import main, run_serve_configs
@@ -276,6 +277,7 @@ def test_report_files_from_synthetic_runs(tmp_path):
                        [record(ttft=0.4, chunks=(0.4, 0.5)), record("batch", ttft=0.5, tokens=100, e2e=3.0,
                                                                      chunks=(0.5, 3.0))])
     broken = RunResult("gpu", "serve_configs/gpu-single.yaml", "2025-01-01T00:02:00+00:00", error="did not start")
+    lanes.generator = {"on_cpu_s": 3.0, "runqueue_wait_s": 5.0, "on_cpu_per_s": 0.3, "runqueue_wait_per_s": 0.5}
     paths = write_report(scenario, [lanes, single, broken], tmp_path)
     for path in paths.values():
         assert path.exists() and path.stat().st_size > 0
@@ -292,6 +294,19 @@ def test_report_files_from_synthetic_runs(tmp_path):
     assert "batch output throughput: **0.90×**" in markdown
     assert "| metric | local | baseline-local |" in markdown  # the failed run has no column
     assert "failed: did not start" in markdown
+    assert report["runs"][0]["generator"]["runqueue_wait_s"] == 5.0
+    assert "| 10.0 | 0.30 / 0.50 | ok |" in markdown and "| – | failed: did not start |" in markdown
+
+
+def test_generator_schedstat_parses_and_rates_per_second(tmp_path):
+    stat = tmp_path / "schedstat"
+    stat.write_text("2500000000 1000000000 42\n")
+    before = host.sample(stat)
+    assert before == host.SchedSample(2.5, 1.0)
+    stat.write_text("4500000000 5000000000 90\n")
+    usage = host.usage(before, host.sample(stat), wall_s=4.0)
+    assert usage == {"on_cpu_s": 2.0, "runqueue_wait_s": 4.0, "on_cpu_per_s": 0.5, "runqueue_wait_per_s": 1.0}
+    assert host.sample(tmp_path / "missing") is None and host.usage(None, before, 1.0) is None
 
 
 def test_report_with_one_run_has_no_comparison():
