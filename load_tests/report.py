@@ -29,8 +29,9 @@ class RunResult:
     wall_s: float = 0.0
     records: list[RequestRecord] = field(default_factory=list)
     error: str | None = None  # set when the run could not happen (app failed to start...)
-    # The generator's event-loop thread over the run (load_tests.host.usage): CPU time and run-queue wait.
-    generator: dict[str, float] | None = None
+    # The generator's event-loop thread over the run (load_tests.host.usage): CPU time and run-queue wait, and
+    # whether the kernel's autogroup scheduling was on.
+    generator: dict[str, float | bool | None] | None = None
 
 
 def build_report(scenario: Scenario, runs: list[RunResult]) -> dict[str, Any]:
@@ -147,6 +148,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "The load generator's share of the host: its event loop's CPU time and the time it was runnable "
               "but waited for a CPU, per second of the run. Waiting near or above its CPU time means the host, not "
               "the app, delayed the sends and the measured latencies.", ""]
+    if any((run.get("generator") or {}).get("autogroup") for run in runs):
+        lines += ["**The kernel's autogroup scheduling was on** (`/proc/sys/kernel/sched_autogroup_enabled` = 1): "
+                  "the CPU is shared between sessions before nice values count, so the app's Ray workers (niceness "
+                  "15) compete with the load generator as equals. On a host with few cores, turn it off as root "
+                  "(`echo 0 > /proc/sys/kernel/sched_autogroup_enabled`) or run the generator on another host.", ""]
 
     comparison = report.get("comparison")
     if comparison:

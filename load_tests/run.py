@@ -65,6 +65,8 @@ def measure(scenario: Scenario, url: str, label: str, target: str, progress: boo
     finally:
         bar.close()
     result.generator = host.usage(before, host.sample(), time.perf_counter() - started)
+    if result.generator is not None:
+        result.generator["autogroup"] = host.autogroup_enabled()
     return result
 
 

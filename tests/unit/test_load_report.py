@@ -309,6 +309,21 @@ def test_generator_schedstat_parses_and_rates_per_second(tmp_path):
     assert host.sample(tmp_path / "missing") is None and host.usage(None, before, 1.0) is None
 
 
+def test_autogroup_switch_is_read_and_an_active_one_is_called_out_in_the_report(tmp_path):
+    switch = tmp_path / "sched_autogroup_enabled"
+    switch.write_text("1\n")
+    assert host.autogroup_enabled(switch) is True
+    switch.write_text("0\n")
+    assert host.autogroup_enabled(switch) is False
+    assert host.autogroup_enabled(tmp_path / "missing") is None
+    usage = {"on_cpu_s": 1.0, "runqueue_wait_s": 9.0, "on_cpu_per_s": 0.1, "runqueue_wait_per_s": 0.9}
+    runs = [RunResult("url", "http://x", "now", 10.0, [record()], generator={**usage, "autogroup": flag})
+            for flag in (True, False)]
+    scenario = parse_scenario(BASE)
+    assert "autogroup scheduling was on" in render_markdown(build_report(scenario, runs[:1]))
+    assert "autogroup scheduling was on" not in render_markdown(build_report(scenario, runs[1:]))
+
+
 def test_report_with_one_run_has_no_comparison():
     scenario = parse_scenario(BASE)
     report = build_report(scenario, [RunResult("url", "http://x", "now", 1.0, [record()])])
