@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from load_tests import host  # noqa: E402
 from load_tests.client import RequestRecord  # noqa: E402
 from load_tests.scenario import Scenario  # noqa: E402
 from load_tests.stats import compare, summarize, throughput_series  # noqa: E402
@@ -127,7 +128,7 @@ def _goodput(goodput: dict[str, Any]) -> str:
     return f"{goodput['fraction'] * 100:.1f} % ({goodput['good']}; {slo})"
 
 
-def _generator(usage: dict[str, float] | None) -> str:
+def _generator(usage: dict[str, float | bool | None] | None) -> str:
     if not usage:
         return "–"
     return f"{usage['on_cpu_per_s']:.2f} / {usage['runqueue_wait_per_s']:.2f}"
@@ -149,10 +150,10 @@ def render_markdown(report: dict[str, Any]) -> str:
               "but waited for a CPU, per second of the run. Waiting near or above its CPU time means the host, not "
               "the app, delayed the sends and the measured latencies.", ""]
     if any((run.get("generator") or {}).get("autogroup") for run in runs):
-        lines += ["**The kernel's autogroup scheduling was on** (`/proc/sys/kernel/sched_autogroup_enabled` = 1): "
-                  "the CPU is shared between sessions before nice values count, so the app's Ray workers (niceness "
-                  "15) compete with the load generator as equals. On a host with few cores, turn it off as root "
-                  "(`echo 0 > /proc/sys/kernel/sched_autogroup_enabled`) or run the generator on another host.", ""]
+        lines += [f"**The kernel's autogroup scheduling was on** (`{host.AUTOGROUP_SWITCH}` = 1): the CPU is shared "
+                  "between sessions before nice values count, so the app's Ray workers (niceness 15) compete with "
+                  "the load generator as equals. On a host with few cores, turn it off as root "
+                  f"(`echo 0 > {host.AUTOGROUP_SWITCH}`) or run the generator on another host.", ""]
 
     comparison = report.get("comparison")
     if comparison:
