@@ -215,6 +215,10 @@ class AdmissionConfig(StrictModel):
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
     drain_rate_time_constant_s: float = Field(10.0, gt=0)
+    # Batch requests one Router replica may run on the hot lane at a time, lent by the cold lane while no interactive
+    # or realtime request waits at this Router: the hot engine's idle turns do batch work, at batch priority. 0 (the
+    # default) keeps batch off the hot lane. Each loan can lengthen the hot lane's steps by its prefill chunk.
+    hot_batch_borrow_max: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
 
@@ -288,6 +292,11 @@ class BatchConfig(StrictModel):
     # Double the window (instead of +1) per interval until throughput stops improving: a short job reaches
     # window_max in a few intervals rather than one slot per interval.
     window_slow_start: bool = True
+    # False (the default): a batch-class request over HTTP or gRPC (service_tier "flex") goes to its lane at once, and
+    # the engine's queue orders a burst of them. True: it waits in the Router for a batch slot, as the Batch API's
+    # lines do (the window's share of the cold lane, plus admission.hot_batch_borrow_max loans on the hot lane), so
+    # a burst reaches the hot lane's loans as they free up, not only its first few requests.
+    flex_waits_for_window: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "BatchConfig":
@@ -359,6 +368,9 @@ class AppConfig(StrictModel):
                         f"prefix_cache.feed='kv_events' needs {lane_name}.engine.enable_prefix_caching: true (an "
                         "engine without a prefix cache sends no KV events); or set prefix_cache.feed: approximate"
                     )
+        if self.admission.hot_batch_borrow_max and (self.cold_lane is None or self.hot_lane is None):
+            raise ValueError("admission.hot_batch_borrow_max lends the cold lane's batch work to the hot lane, and "
+                             "this app has only one lane: set it to 0 or add the other lane")
         return self
 
     def lane(self, name: str) -> LaneConfig:

@@ -8,6 +8,7 @@ clipped max_tokens, degrade reasons, or a refusal), `started()` at its first tok
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.config import AppConfig
@@ -65,6 +66,13 @@ class TrafficControl:
         }
         self._hot_saturated_until = 0.0
         self._interactive_starts = 0
+        # Batch requests of this Router on each lane, from the lane call until the request ends (Generation).
+        self.batch_in_flight = {Lane.HOT: 0, Lane.COLD: 0}
+        # This Router's share of the cold lane's batch slots (the dispatcher's window share), read when a batch
+        # request is routed; the Router wires it. Until then (None) the cold lane never counts as full: no loans.
+        self.cold_batch_slots: Callable[[], int] | None = None
+        # Called whenever a batch request ends (its slot is free): the Router wakes a batch request waiting for one.
+        self.on_batch_slot_freed: Callable[[], None] | None = None
 
     # ---- arrival ----------------------------------------------------------------------------------------------
 
@@ -83,6 +91,7 @@ class TrafficControl:
                                             long_context_threshold=10**12, open_breakers=open_breakers))
         queue = self.back_pressure.queued(RequestClass.INTERACTIVE)
         drain = self.back_pressure.drain_rate_per_s(RequestClass.INTERACTIVE)
+        hot_batch_slots = self._hot_batch_slots(queue) if request_class is RequestClass.BATCH else 0
         return decide_route(RouteInputs(
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
@@ -93,7 +102,41 @@ class TrafficControl:
             interactive_ttft_slo_s=admission.interactive_ttft_slo_s,
             hot_saturated=self.clock() < self._hot_saturated_until,
             open_breakers=open_breakers,
+            hot_batch_slots=hot_batch_slots,
         ))
+
+    def _hot_batch_slots(self, interactive_queued: int) -> int:
+        """Batch requests the hot lane may take now: only once this Router's cold share is full (a small batch stays
+        on the cold lane and leaves the hot one alone), and only while nothing latency-bound waits here."""
+        free_loans = self.cfg.admission.hot_batch_borrow_max - self.batch_in_flight[Lane.HOT]
+        if free_loans <= 0 or self.cold_batch_slots is None:
+            return 0
+        if self.batch_in_flight[Lane.COLD] < self.cold_batch_slots():
+            return 0
+        if interactive_queued > 0 or self.back_pressure.queued(RequestClass.REALTIME) > 0:
+            return 0
+        return free_loans
+
+    @property
+    def hot_batch_loans(self) -> int:
+        """Batch requests of this Router running on the hot lane (admission.hot_batch_borrow_max bounds them)."""
+        return self.batch_in_flight[Lane.HOT]
+
+    def batch_started(self, lane: Lane) -> None:
+        """A batch request went to `lane`; batch_ended(lane) exactly once when it is over."""
+        self.batch_in_flight[lane] += 1
+
+    def batch_ended(self, lane: Lane) -> None:
+        self.batch_in_flight[lane] = max(0, self.batch_in_flight[lane] - 1)
+        if self.on_batch_slot_freed is not None:
+            self.on_batch_slot_freed()
+
+    def batch_slot_free(self) -> bool:
+        """May one more batch request start now: room in this Router's cold share, or a hot loan it may take?"""
+        cold_slots = self.cold_batch_slots() if self.cold_batch_slots is not None else None
+        if cold_slots is None or self.batch_in_flight[Lane.COLD] < cold_slots:
+            return True
+        return self._hot_batch_slots(self.back_pressure.queued(RequestClass.INTERACTIVE)) > 0
 
     def may_spill(self, request_class: RequestClass, lane: Lane) -> bool:
         """May a hot replica send this request back for the cold lane (KV headroom) instead of waiting?"""

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from dataclasses import replace
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ from app.router import openai_api as api
 from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
 from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
 from app.router.replica_counts import LANE_DEPLOYMENTS, health_response, running_replicas
+from app.router.slot_waiters import SlotWaiters
 from app.router.spill import RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
@@ -285,6 +287,13 @@ class Generation:
         self.record.lane = self.lane.value
         for reason in self.reasons:
             router.metrics.count_degrade(reason=reason_label(reason), request_class=request_class)
+        # A batch request counts against its lane's batch slots (and, on the hot lane, the loans) until it ends,
+        # however it ends: the finalizer is idempotent (end_batch_slot() runs it at most once) and also frees a slot
+        # that the code paths missed.
+        self.end_batch_slot = lambda: None
+        if request_class is RequestClass.BATCH:
+            router.control.batch_started(self.lane)
+            self.end_batch_slot = weakref.finalize(self, router.control.batch_ended, self.lane)
 
     def headers(self) -> dict[str, str]:
         headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
@@ -300,6 +309,13 @@ class Generation:
         return max(0.0, self.deadline - time.monotonic())
 
     async def start(self) -> None:
+        try:
+            await self._start_on_lane()
+        except BaseException:
+            self.end_batch_slot()
+            raise
+
+    async def _start_on_lane(self) -> None:
         control = self.router.control
         if not control.allow(self.lane):
             raise api.OpenAIError(503, f"the {self.lane.value} lane is failing; retry shortly", type="server_error",
@@ -356,6 +372,7 @@ class Generation:
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
             self.stream.cancel()
+            self.end_batch_slot()
             if not self._done:
                 # Abandoned mid-stream by the client: not the lane's fault, and no E2E sample for the deadline P99.
                 self._done = True
@@ -367,6 +384,7 @@ class Generation:
         return self.last.completion_tokens if self.last is not None else 0
 
     def _finish(self, ok: bool) -> None:
+        self.end_batch_slot()
         if self._done:
             return
         self._done = True
@@ -428,13 +446,22 @@ class Router:
                                      target_latency_per_token_s=batch.target_latency_per_token_s,
                                      interval_s=batch.window_interval_s, slow_start=batch.window_slow_start),
             lease_s=batch.lease_s, poll_interval_s=batch.poll_interval_s, max_attempts=batch.max_attempts,
+            hot_loans=self.cfg.admission.hot_batch_borrow_max,
         )
+        self._wire_batch_slots()
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
 
     def _observe_replica_routing(self, deployment: str, decision, elapsed_s: float) -> None:
         lane = LANE_OF_DEPLOYMENT.get(deployment, deployment)
         self.metrics.observe_replica_routing(elapsed_s, lane=lane, reason=decision.reason.value)
+
+    def _wire_batch_slots(self) -> None:
+        """Batch slots per lane, counted in TrafficControl: the cold share is the dispatcher's (so batch goes to the
+        hot lane only once it is taken), and flex requests waiting for a slot are woken as batch requests end."""
+        self.control.cold_batch_slots = lambda: self.dispatcher.cold_capacity
+        self.batch_waiters = SlotWaiters()
+        self.control.on_batch_slot_freed = self.batch_waiters.notify_one
 
     async def _publish_backlog_metrics_forever(self) -> None:
         """Batch backlog (read from the shared store) and this replica's admission queue depths, as gauges; and the
@@ -561,6 +588,12 @@ class Router:
                        "batch_window": self.dispatcher.window.size,
                        "batch_in_flight_limit": self.dispatcher.capacity,
                        "batch_in_flight": self.dispatcher.in_flight,
+                       # Batch requests (flex and Batch API lines) of this Router on each lane; those on the hot
+                       # lane are loans (admission.hot_batch_borrow_max); flex requests waiting for a slot
+                       # (batch.flex_waits_for_window).
+                       "batch_on_lane": {lane.value: n for lane, n in self.control.batch_in_flight.items()},
+                       "hot_batch_loans": self.control.hot_batch_loans,
+                       "flex_waiting_for_slot": len(self.batch_waiters),
                        "replicas_seen": {"cold": self.dispatcher.cold_replicas,
                                          "router": self.dispatcher.router_replicas},
                        # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
@@ -619,7 +652,7 @@ class Router:
         return lane_request, request_class
 
     async def _begin(self, lane_request: LaneRequest, request_class: RequestClass,
-                     record: RequestRecord | None = None) -> "Generation":
+                     record: RequestRecord | None = None, from_batch_api: bool = False) -> "Generation":
         """Admit, route, send to a lane and wait for the first chunk. Raises OpenAIError with the right status.
 
         Failures raised from here are counted by the caller (`_start`) with the lane the record holds."""
@@ -640,6 +673,10 @@ class Router:
         self._publish_queue_depth(request_class)
         started = False
         try:
+            if request_class is RequestClass.BATCH and self.cfg.batch.flex_waits_for_window and not from_batch_api:
+                # A flex request waits here for a batch slot, as the Batch API's lines wait in the store (the
+                # dispatcher claims no more than its slots): no await between this and the slot being counted.
+                await self.batch_waiters.wait_until(self.control.batch_slot_free)
             with record.span_for(SPAN_ROUTE):
                 route = self.control.route(request_class, len(lane_request.prompt_token_ids),
                                            lane_request.sampling.max_tokens)
@@ -664,7 +701,8 @@ class Router:
             self._publish_queue_depth(request_class)
 
     async def _start(self, body, kind: str, class_header: str | None, record: RequestRecord,
-                     client_timeout_s: float | None = None) -> tuple[LaneRequest, "Generation"]:
+                     client_timeout_s: float | None = None,
+                     from_batch_api: bool = False) -> tuple[LaneRequest, "Generation"]:
         """_prepare + _begin for every entry point (HTTP, gRPC, batch lines): the request's outcome is counted here
         when it ends before its first chunk, and the trace context travels to the lane in the LaneRequest."""
         try:
@@ -678,7 +716,7 @@ class Router:
                 lane_request = replace(lane_request, client_timeout_s=client_timeout_s)
             if record.span is not None:
                 lane_request = replace(lane_request, trace_carrier=record.carrier())
-            return lane_request, await self._begin(lane_request, request_class, record)
+            return lane_request, await self._begin(lane_request, request_class, record, from_batch_api)
         except api.OpenAIError as error:
             self._count_refusal(record, body, class_header, error.status)
             raise
@@ -973,7 +1011,8 @@ class Router:
         model = api.ChatCompletionRequest if kind == "chat" else api.CompletionRequest
         try:
             body = model.model_validate({**line.body, "stream": False, "service_tier": "flex"})
-            lane_request, generation = await self._start(body, kind, None, self._new_record(None, kind))
+            lane_request, generation = await self._start(body, kind, None, self._new_record(None, kind),
+                                                         from_batch_api=True)
             response = await self._collect(kind, lane_request.request_id, self.cfg.model.served_name, generation)
             return {"status_code": 200, "body": response, "request_id": lane_request.request_id}
         except ValidationError as error:

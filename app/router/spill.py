@@ -8,6 +8,9 @@ The rule, in order:
    so one long prefill does not stall everyone's TTFT on the hot lane.
 4. Saturation spill: interactive only (realtime never spills) goes to the cold lane when the hot lane is saturated or
    its predicted queue wait exceeds the interactive TTFT SLO.
+   Borrowing, the other way: batch goes to the hot lane while it has a free borrow slot (the Router's
+   `hot_batch_borrow_max`, 0 by default, and only while no interactive or realtime request waits), is not saturated
+   and takes the prompt without a long-context degrade; there it runs at batch priority, behind every other class.
 5. A lane that cannot fit the request, or whose breaker is open, hands over to the other lane when allowed: always
    for "does not fit"; for an open breaker only for interactive, or to bring a request back to its home lane
    (realtime stays on hot, batch stays off hot). Otherwise 503 with the breaker's Retry-After.
@@ -31,6 +34,7 @@ COLD_LANE_INTERACTIVE_PRIORITY = CLASS_POLICIES[RequestClass.INTERACTIVE].priori
 
 REASON_LONG_CONTEXT = "long_context"
 REASON_HOT_SATURATED = "hot_saturated"
+REASON_BORROWED_HOT = "borrowed_hot"
 REASON_MAX_TOKENS_CLIPPED = "max_tokens_clipped"
 
 
@@ -69,6 +73,8 @@ class RouteInputs:
     hot_saturated: bool = False
     # Lanes whose breaker refuses requests now, with the breaker's Retry-After in seconds.
     open_breakers: Mapping[Lane, float] = field(default_factory=dict)
+    # Batch requests the hot lane may take now on loan from the cold lane (0: none; the caller counts the loans).
+    hot_batch_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,18 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
     ):
         lane = Lane.COLD
         reasons.append(REASON_HOT_SATURATED)
+    elif (
+        cls is RequestClass.BATCH
+        and lane is Lane.COLD
+        and inputs.hot_batch_slots > 0
+        and not inputs.hot_saturated
+        and Lane.HOT in inputs.lane_caps
+        and Lane.HOT not in inputs.open_breakers
+        and fits.get(Lane.HOT, False)
+        and inputs.prompt_tokens <= inputs.long_context_threshold
+    ):
+        lane = Lane.HOT
+        reasons.append(REASON_BORROWED_HOT)
 
     if not fits.get(lane, False):
         # Step 1 guarantees the other lane fits. A lane missing from lane_caps (a one-lane deployment) is no degrade.

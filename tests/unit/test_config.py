@@ -203,3 +203,12 @@ def test_place_on_cpus_binds_the_engine_threads_and_names_a_frontend_core_the_ho
     with pytest.raises(RuntimeError, match=r"cpu_frontend_bind='4095' cannot be applied on this host"):
         place_on_cpus(cfg, cfg.cold_lane.engine)
     assert os.sched_getaffinity(0) == affinity  # nothing was pinned
+
+
+def test_hot_batch_borrowing_needs_both_lanes():
+    assert load_app_config(cpu_args(**{"admission.hot_batch_borrow_max": 4})).admission.hot_batch_borrow_max == 4
+    one_lane = cpu_args(**{"admission.hot_batch_borrow_max": 4})
+    one_lane["cold_lane"] = None
+    message = error_of(one_lane)
+    assert "admission.hot_batch_borrow_max" in message and "set it to 0" in message
+    assert "hot_batch_borrow_max" in error_of(cpu_args(**{"admission.hot_batch_borrow_max": -1}))

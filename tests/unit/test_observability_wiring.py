@@ -200,6 +200,7 @@ def make_router(tmp_path, tracing_exporter=None, **cfg_extra):
     router.batch_store = open_batch_store(str(tmp_path / "batches.sqlite3"))
     # Never run: admin stats only read its window, limit and counts.
     router.dispatcher = BatchDispatcher(router.batch_store, router._execute_batch_line, window=ConcurrencyWindow(16, 32))
+    router._wire_batch_slots()
     return router
 
 

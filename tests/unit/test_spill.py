@@ -143,3 +143,27 @@ def test_predicted_queue_wait():
     assert predicted_queue_wait_s(0, 0.0) == 0.0
     assert predicted_queue_wait_s(10, 4.0) == 2.5
     assert predicted_queue_wait_s(3, 0.0) == math.inf
+
+
+def test_batch_borrows_the_hot_lane_only_with_a_free_slot():
+    assert route(BA).lane is COLD  # no slots: batch stays home
+    borrowed = route(BA, hot_batch_slots=1)
+    assert borrowed.lane is HOT and borrowed.reasons == ("borrowed_hot",)
+    assert borrowed.priority == CLASS_POLICIES[BA].priority  # behind every interactive and realtime request there
+    assert route(BA, max_tokens=4000, hot_batch_slots=1).max_tokens == 1024  # the hot lane's cap applies
+
+
+@pytest.mark.parametrize("blocker", [
+    {"hot_saturated": True},
+    {"open_breakers": {HOT: 5.0}},
+    {"prompt_tokens": 9000},                         # a long prompt is the cold lane's work whatever its class
+    {"prompt_tokens": 16000, "max_tokens": 500},     # does not fit the hot lane's context
+    {"lane_caps": {COLD: CAPS[COLD]}},               # a cold-only deployment has no hot lane to borrow
+])
+def test_batch_is_not_lent_to_a_hot_lane_that_cannot_take_it(blocker):
+    decision = route(BA, hot_batch_slots=4, **blocker)
+    assert decision.lane is COLD and "borrowed_hot" not in decision.reasons
+
+
+def test_other_classes_ignore_hot_batch_slots():
+    assert route(IA, hot_batch_slots=4).reasons == () and route(RT, hot_batch_slots=4).reasons == ()

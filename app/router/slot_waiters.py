@@ -1,0 +1,78 @@
+"""Requests waiting in the Router for a slot: first come, first served, woken one per freed slot.
+
+Pure asyncio, no Ray. The condition a waiter needs (a free batch slot on some lane) lives elsewhere
+(TrafficControl); this only parks the waiters and wakes them. A waiter also re-checks every `recheck_s`, because a
+condition can become true without a slot being freed (an interactive queue that empties lets the hot lane lend again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+DEFAULT_RECHECK_S = 0.25
+
+
+class SlotWaiters:
+    def __init__(self, recheck_s: float = DEFAULT_RECHECK_S):
+        if recheck_s <= 0:
+            raise ValueError(f"recheck_s={recheck_s} must be > 0")
+        self.recheck_s = recheck_s
+        self._queue: deque[asyncio.Future] = deque()
+        self._waiting = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __len__(self) -> int:
+        """Requests waiting now."""
+        return self._waiting
+
+    async def wait_until(self, has_slot: Callable[[], bool]) -> None:
+        """Return once has_slot() is true; the caller takes the slot before its next await."""
+        # Those already waiting go first: a newcomer does not overtake them even when a slot happens to be free.
+        if not self._waiting and has_slot():
+            return
+        loop = self._loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._queue.append(waiter)
+        self._waiting += 1
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter), timeout=self.recheck_s)
+                except asyncio.TimeoutError:
+                    if has_slot():
+                        return
+                    continue  # still in line, same place
+                if has_slot():
+                    return
+                # Woken, but the freed slot is not one this request may take (a hot loan while interactive work
+                # waits): back in line, at the end.
+                waiter = loop.create_future()
+                self._queue.append(waiter)
+        except asyncio.CancelledError:
+            if waiter.done():
+                self.notify_one()  # woken but gone: hand the wake-up on
+            raise
+        finally:
+            self._waiting -= 1
+            if not waiter.done():
+                waiter.cancel()  # out of line: notify_one skips it
+
+    def notify_one(self) -> None:
+        """A slot was freed: wake the longest-waiting request (it re-checks the condition itself). Safe from any
+        thread (a garbage-collection finalizer may free a slot off the event loop's thread)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._wake_first)
+            return
+        self._wake_first()
+
+    def _wake_first(self) -> None:
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
