@@ -2,6 +2,7 @@
 
     python -m app.tools.make_tiny_model models/tiny-llama
     python -m app.tools.make_tiny_model --shape llama-3.1-8b models/llama-8b-dummy   # GPU benchmarks
+    python -m app.tools.make_tiny_model --shape llama-small-cpu models/llama-small-cpu   # CPU batch benchmark
 
 The second form writes only a real model's config.json (Llama-3.1-8B's architecture values) plus the tiny tokenizer
 padded with reserved tokens to that model's vocabulary size, for `load_format: dummy` (random weights, the real
@@ -60,7 +61,18 @@ LLAMA31_8B_CONFIG = {
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "vocab_size": 128256,
 }
-SHAPES = {"llama-3.1-8b": LLAMA31_8B_CONFIG}
+# ~26M parameters on the tiny tokenizer's 2,048 ids: a model whose decode step costs tens of milliseconds on one CPU
+# core, so a CPU benchmark can weigh the serving path against an engine that does real work per step (with the
+# ~1M-parameter tiny model a step is about a millisecond and the path's per-request cost is all there is to see).
+LLAMA_SMALL_CPU_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 512, "initializer_range": 0.02,
+    "intermediate_size": 1536, "max_position_embeddings": 16384, "mlp_bias": False, "num_attention_heads": 8,
+    "num_hidden_layers": 8, "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32", "use_cache": True,
+    "vocab_size": VOCAB_SIZE,
+}
+SHAPES = {"llama-3.1-8b": LLAMA31_8B_CONFIG, "llama-small-cpu": LLAMA_SMALL_CPU_CONFIG}
 
 
 def corpus_lines() -> list[str]:

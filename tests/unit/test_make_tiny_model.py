@@ -1,7 +1,7 @@
 import hashlib
 import json
 
-from app.tools.make_tiny_model import LLAMA31_8B_CONFIG, make_shaped_model, make_tiny_model
+from app.tools.make_tiny_model import LLAMA31_8B_CONFIG, SHAPES, make_shaped_model, make_tiny_model
 
 
 def digest(path):
@@ -40,3 +40,15 @@ def test_shaped_model_has_the_real_config_and_a_tokenizer_covering_its_vocabular
     # Every id decodes to visible text, so streamed chunks of a dummy-weight model are not empty.
     assert tokenizer.decode([config["vocab_size"] - 1]) == f"<|reserved_{config['vocab_size'] - 1}|>"
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_small_cpu_shape_uses_the_tiny_tokenizer_without_padding(tmp_path):
+    from transformers import AutoTokenizer
+
+    make_shaped_model(tmp_path, "llama-small-cpu")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config == {**SHAPES["llama-small-cpu"], **{k: config[k] for k in ("bos_token_id", "eos_token_id",
+                                                                              "pad_token_id")}}
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == config["vocab_size"] and "<|reserved_" not in tokenizer.decode(list(range(2000)))
+    assert config["hidden_size"] == config["num_attention_heads"] * config["head_dim"]
