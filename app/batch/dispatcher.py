@@ -103,8 +103,9 @@ class BatchDispatcher:
         # Replica counts this dispatcher's share is computed from (set_replica_counts); 1 and 1 until told.
         self.cold_replicas = 1
         self.router_replicas = 1
-        # Lines the hot lane may borrow on top of the cold share (admission.hot_batch_borrow_max): claimed only
-        # when the cold share is full, and routed to the hot lane by the Router's TrafficControl.
+        # Lines claimed on top of the cold share for the hot lane's loans (admission.hot_batch_borrow_max). The
+        # Router's TrafficControl sends a line to the hot lane only once the cold share is taken and a loan is free;
+        # while interactive work waits there, these few lines go to the cold lane too.
         self.hot_loans = hot_loans
 
     @property

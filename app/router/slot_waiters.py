@@ -63,9 +63,12 @@ class SlotWaiters:
         """A slot was freed: wake the longest-waiting request (it re-checks the condition itself). Safe from any
         thread (a garbage-collection finalizer may free a slot off the event loop's thread)."""
         try:
-            asyncio.get_running_loop()
+            running = asyncio.get_running_loop()
         except RuntimeError:
-            if self._loop is not None and not self._loop.is_closed():
+            running = None
+        if self._loop is not None and running is not self._loop:
+            # Not on the waiters' loop (another thread, or another loop): hand the wake-up over to it.
+            if not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._wake_first)
             return
         self._wake_first()

@@ -8,9 +8,10 @@ The rule, in order:
    so one long prefill does not stall everyone's TTFT on the hot lane.
 4. Saturation spill: interactive only (realtime never spills) goes to the cold lane when the hot lane is saturated or
    its predicted queue wait exceeds the interactive TTFT SLO.
-   Borrowing, the other way: batch goes to the hot lane while it has a free borrow slot (the Router's
-   `hot_batch_borrow_max`, 0 by default, and only while no interactive or realtime request waits), is not saturated
-   and takes the prompt without a long-context degrade; there it runs at batch priority, behind every other class.
+   Borrowing, the other way: batch goes to the hot lane when the caller grants it `hot_batch_slots` (TrafficControl
+   does once the Router's cold share is taken, a loan of `hot_batch_borrow_max` is free, 0 by default, and no
+   interactive or realtime request waits), the hot lane is not saturated and the prompt is below the long-context
+   threshold; there it runs at batch priority, behind every other class.
 5. A lane that cannot fit the request, or whose breaker is open, hands over to the other lane when allowed: always
    for "does not fit"; for an open breaker only for interactive, or to bring a request back to its home lane
    (realtime stays on hot, batch stays off hot). Otherwise 503 with the breaker's Retry-After.

@@ -91,3 +91,17 @@ async def test_a_waiter_that_leaves_is_skipped():
 def test_recheck_must_be_positive():
     with pytest.raises(ValueError, match="recheck_s"):
         SlotWaiters(recheck_s=0)
+
+
+async def test_a_slot_freed_from_another_thread_wakes_the_waiter_on_its_loop():
+    import threading
+
+    waiters, slots, order = SlotWaiters(recheck_s=10), Slots(0), []
+    task = asyncio.create_task(take_when_free(waiters, slots, order, 0))
+    await asyncio.sleep(0.01)
+    slots.free = 1
+    thread = threading.Thread(target=waiters.notify_one)  # as a garbage-collection finalizer might
+    thread.start()
+    thread.join()
+    await asyncio.wait_for(task, timeout=1)
+    assert order == [0]
