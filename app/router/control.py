@@ -68,6 +68,8 @@ class TrafficControl:
         self._interactive_starts = 0
         # Batch requests of this Router on each lane, from the lane call until the request ends (Generation).
         self.batch_in_flight = {Lane.HOT: 0, Lane.COLD: 0}
+        # High-water marks of the above: lets an operator (and a test) see the slots and loans hold.
+        self.batch_in_flight_peak = {Lane.HOT: 0, Lane.COLD: 0}
         # This Router's share of the cold lane's batch slots (the dispatcher's window share), read when a batch
         # request is routed; the Router wires it. Until then (None) the cold lane never counts as full: no loans.
         self.cold_batch_slots: Callable[[], int] | None = None
@@ -125,6 +127,7 @@ class TrafficControl:
     def batch_started(self, lane: Lane) -> None:
         """A batch request went to `lane`; batch_ended(lane) exactly once when it is over."""
         self.batch_in_flight[lane] += 1
+        self.batch_in_flight_peak[lane] = max(self.batch_in_flight_peak[lane], self.batch_in_flight[lane])
 
     def batch_ended(self, lane: Lane) -> None:
         self.batch_in_flight[lane] = max(0, self.batch_in_flight[lane] - 1)

@@ -592,6 +592,7 @@ class Router:
                        # lane are loans (admission.hot_batch_borrow_max); flex requests waiting for a slot
                        # (batch.flex_waits_for_window).
                        "batch_on_lane": {lane.value: n for lane, n in self.control.batch_in_flight.items()},
+                       "batch_on_lane_peak": {lane.value: n for lane, n in self.control.batch_in_flight_peak.items()},
                        "hot_batch_loans": self.control.hot_batch_loans,
                        "flex_waiting_for_slot": len(self.batch_waiters),
                        "replicas_seen": {"cold": self.dispatcher.cold_replicas,

@@ -117,6 +117,7 @@ async def test_flex_requests_wait_in_the_router_for_a_batch_slot_and_take_loans_
     router.lanes["cold"].release.set()
     assert sorted(await asyncio.gather(*tasks)) == ["cold", "hot", "hot"]
     assert router.control.batch_in_flight == {Lane.HOT: 0, Lane.COLD: 0}
+    assert router.control.batch_in_flight_peak == {Lane.HOT: 1, Lane.COLD: 1}
 
 
 async def test_flex_requests_go_straight_to_their_lane_by_default(tmp_path):
