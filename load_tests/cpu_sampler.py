@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 PROC = Path("/proc")
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")  # the unit of utime and stime in /proc/<pid>/stat
 CMDLINE_CHARS = 160
 
 
@@ -41,9 +42,8 @@ def parse_stat(text: str) -> tuple[str, float]:
     """/proc/<pid>/stat -> (comm, user + system CPU seconds)."""
     comm = text[text.index("(") + 1:text.rindex(")")]
     fields = text[text.rindex(")") + 2:].split()
-    ticks = os.sysconf("SC_CLK_TCK")
     # Fields after the comm start at "state" (field 3): utime and stime are fields 14 and 15.
-    return comm, (int(fields[11]) + int(fields[12])) / ticks
+    return comm, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
 
 
 def snapshot(proc: Path = PROC) -> dict[int, tuple[str, float]]:

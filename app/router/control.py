@@ -93,7 +93,7 @@ class TrafficControl:
                                             long_context_threshold=10**12, open_breakers=open_breakers))
         queue = self.back_pressure.queued(RequestClass.INTERACTIVE)
         drain = self.back_pressure.drain_rate_per_s(RequestClass.INTERACTIVE)
-        hot_batch_slots = self._hot_batch_slots(queue) if request_class is RequestClass.BATCH else 0
+        hot_batch_slots = self._hot_batch_slots() if request_class is RequestClass.BATCH else 0
         return decide_route(RouteInputs(
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
@@ -107,15 +107,17 @@ class TrafficControl:
             hot_batch_slots=hot_batch_slots,
         ))
 
-    def _hot_batch_slots(self, interactive_queued: int) -> int:
+    def _cold_share_full(self) -> bool:
+        """Has this Router as many batch requests on the cold lane as its share of the slots (never, unwired)?"""
+        return self.cold_batch_slots is not None and self.batch_in_flight[Lane.COLD] >= self.cold_batch_slots()
+
+    def _hot_batch_slots(self) -> int:
         """Batch requests the hot lane may take now: only once this Router's cold share is full (a small batch stays
         on the cold lane and leaves the hot one alone), and only while nothing latency-bound waits here."""
         free_loans = self.cfg.admission.hot_batch_borrow_max - self.batch_in_flight[Lane.HOT]
-        if free_loans <= 0 or self.cold_batch_slots is None:
+        if free_loans <= 0 or not self._cold_share_full():
             return 0
-        if self.batch_in_flight[Lane.COLD] < self.cold_batch_slots():
-            return 0
-        if interactive_queued > 0 or self.back_pressure.queued(RequestClass.REALTIME) > 0:
+        if self.back_pressure.queued(RequestClass.INTERACTIVE) or self.back_pressure.queued(RequestClass.REALTIME):
             return 0
         return free_loans
 
@@ -136,10 +138,7 @@ class TrafficControl:
 
     def batch_slot_free(self) -> bool:
         """May one more batch request start now: room in this Router's cold share, or a hot loan it may take?"""
-        cold_slots = self.cold_batch_slots() if self.cold_batch_slots is not None else None
-        if cold_slots is None or self.batch_in_flight[Lane.COLD] < cold_slots:
-            return True
-        return self._hot_batch_slots(self.back_pressure.queued(RequestClass.INTERACTIVE)) > 0
+        return not self._cold_share_full() or self._hot_batch_slots() > 0
 
     def may_spill(self, request_class: RequestClass, lane: Lane) -> bool:
         """May a hot replica send this request back for the cold lane (KV headroom) instead of waiting?"""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -46,6 +48,12 @@ def local_test_document(tiny_model: Path) -> tuple[dict, dict]:
     return document, args
 
 
+def write_serve_config(path: Path, document: dict) -> Path:
+    """A test's serve config (a changed local_test_document) as the YAML file `serve run` takes."""
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
 def kill_the_only_replica(deployment: str) -> None:
     """Kill the one replica actor of `deployment` (no restart of that actor: Serve must replace it)."""
     import ray
@@ -70,9 +78,7 @@ def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
     args["observability"] = {"tracing": {"exporter": "file", "file_path": str(SPAN_FILE)}}
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5,
                      "max_file_bytes": TEST_MAX_FILE_BYTES}
-    path = tmp_dir / "local-test.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+    return write_serve_config(tmp_dir / "local-test.yaml", document)
 
 
 class AppProcess:
@@ -134,15 +140,22 @@ class AppProcess:
         self.start()
 
 
-@pytest.fixture(scope="session")
-def app_process(tmp_path_factory, tiny_model) -> AppProcess:
-    tmp_dir = tmp_path_factory.mktemp("serve")
-    app = AppProcess(_write_test_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
+@contextmanager
+def served_app(config: Path, log_path: Path) -> Iterator[AppProcess]:
+    """`serve run CONFIG` for the length of the block: started (every lane answering), stopped afterwards."""
+    app = AppProcess(config, log_path)
     try:
         app.start()
         yield app
     finally:
         app.stop()
+
+
+@pytest.fixture(scope="session")
+def app_process(tmp_path_factory, tiny_model) -> AppProcess:
+    tmp_dir = tmp_path_factory.mktemp("serve")
+    with served_app(_write_test_config(tmp_dir, tiny_model), tmp_dir / "serve.log") as app:
+        yield app
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.integration.conftest import AppProcess, kill_the_only_replica, local_test_document, wait_until
+from tests.integration.conftest import (
+    AppProcess,
+    kill_the_only_replica,
+    local_test_document,
+    served_app,
+    wait_until,
+    write_serve_config,
+)
 from tests.integration.test_batch_api import wait_for_batch
 
 HOT_REPLICAS = 2
@@ -45,21 +51,15 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
                         "target_waiting_per_replica": 1000, "target_ongoing_per_replica": 1000}}
     args["prefix_cache"].update(max_pinned_prefixes=8)
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5, "window_min": 4, "window_max": 8}
-    path = tmp_dir / "prefix-scaling.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+    return write_serve_config(tmp_dir / "prefix-scaling.yaml", document)
 
 
 def serve_with_hot_replicas(config: Path, log_path: Path, hot_replicas: int) -> Iterator[AppProcess]:
     """A module's own app (for a module-scoped fixture to `yield from`): started, handed over once `hot_replicas`
     hot-lane replicas report, stopped afterwards."""
-    app = AppProcess(config, log_path)
-    try:
-        app.start()
+    with served_app(config, log_path) as app:
         assert wait_until(lambda: len(lanes(app.url)["hot"]) == hot_replicas, timeout_s=60), lanes(app.url)
         yield app
-    finally:
-        app.stop()
 
 
 @pytest.fixture(scope="module")

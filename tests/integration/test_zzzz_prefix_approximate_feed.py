@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.integration.conftest import local_test_document, wait_until
+from tests.integration.conftest import local_test_document, wait_until, write_serve_config
 from tests.integration.test_zzz_prefix_affinity_and_scaling import (
     PREFIX_TOKENS,
     complete,
@@ -33,9 +32,7 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
     document, args = local_test_document(tiny_model)
     args["hot_lane"]["deployment"]["num_replicas"] = HOT_REPLICAS
     args["prefix_cache"].update(feed="approximate", approximate_ttl_s=APPROXIMATE_TTL_S)
-    path = tmp_dir / "prefix-approximate.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+    return write_serve_config(tmp_dir / "prefix-approximate.yaml", document)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.integration.conftest import AppProcess, local_test_document, router_stats
+from tests.integration.conftest import local_test_document, router_stats, served_app, write_serve_config
 
 COLD_SHARE = 1  # batch window 1, one cold replica, one Router
 LOANS = 2
@@ -25,20 +24,14 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
     args["admission"]["hot_batch_borrow_max"] = LOANS
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "window_min": COLD_SHARE, "window_max": COLD_SHARE,
                      "flex_waits_for_window": True}
-    path = tmp_dir / "hot-batch-loans.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+    return write_serve_config(tmp_dir / "hot-batch-loans.yaml", document)
 
 
 @pytest.fixture(scope="module")
 def loans_app(tmp_path_factory, tiny_model):
     tmp_dir = tmp_path_factory.mktemp("hot-batch-loans")
-    app = AppProcess(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log")
-    try:
-        app.start()
+    with served_app(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log") as app:
         yield app
-    finally:
-        app.stop()
 
 
 async def test_a_flex_burst_takes_the_cold_share_then_the_hot_loans(loans_app, served_model):
