@@ -66,6 +66,10 @@ class EngineSettings(StrictModel):
     # e.g. "0": on a CPU host, keeps them off the worker's cpu_threads_bind cores, which they otherwise share at
     # random (app/lanes/cpu_priority.py). None leaves them to the OS. Ignored on GPU.
     cpu_frontend_bind: str | None = None
+    # Cores for the engine-core process alone, e.g. the worker's own core: the scheduler and the worker take turns
+    # (each waits for the other every step), so they share a core at little cost, and the frontend, the Router and
+    # the other lane on the remaining cores no longer delay every step. None: the engine core goes with the frontend.
+    cpu_engine_core_bind: str | None = None
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -84,13 +88,14 @@ class EngineSettings(StrictModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
                 "raise max_num_batched_tokens to at least max_num_seqs (every running sequence needs a token per step)"
             )
-        if self.cpu_frontend_bind is not None:
-            from app.lanes.cpu_priority import parse_cpu_list
+        from app.lanes.cpu_priority import parse_cpu_list
 
-            try:
-                parse_cpu_list(self.cpu_frontend_bind)
-            except ValueError as error:
-                raise ValueError(f"cpu_frontend_bind: {error}") from None
+        for setting in ("cpu_frontend_bind", "cpu_engine_core_bind"):
+            if getattr(self, setting) is not None:
+                try:
+                    parse_cpu_list(getattr(self, setting))
+                except ValueError as error:
+                    raise ValueError(f"{setting}: {error}") from None
         clash = set(self.extra_engine_args) & set(type(self).model_fields)
         if clash:
             raise ValueError(

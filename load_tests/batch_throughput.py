@@ -187,6 +187,10 @@ def settings_label(engine: dict[str, Any]) -> str:
     parts = [f"max_num_seqs {engine['max_num_seqs']}", f"max_num_batched_tokens {engine['max_num_batched_tokens']}"]
     if engine.get("cpu_threads_bind"):
         parts.append(f"cores {engine['cpu_threads_bind']}")
+    if engine.get("cpu_engine_core_bind"):
+        parts.append(f"engine core on {engine['cpu_engine_core_bind']}")
+    if engine.get("cpu_frontend_bind"):
+        parts.append(f"frontend on {engine['cpu_frontend_bind']}")
     return ", ".join(parts)
 
 

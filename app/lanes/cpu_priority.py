@@ -12,9 +12,11 @@ this runs (after the engine started), so every thread of every descendant proces
 
 Affinity: vLLM-CPU binds only the worker's compute threads (cpu_threads_bind). The replica process (vLLM's frontend:
 output processing, detokenization) and the engine-core process (the scheduler, which waits for each step in a
-yield loop) float over every core, onto the worker's too. Pinning the replica before the engine starts keeps both
-off it (the engine-core process inherits the replica's affinity; the worker re-binds its own threads). Measured in
-docs/benchmarks.md (batch throughput).
+yield loop) float over every core. The engine-core process inherits the replica's affinity when it is spawned (the
+worker re-binds its own threads), so the replica pins itself to the engine core's cores while the engine starts and
+to the frontend's afterwards (app.lanes.engine.placed_on_cpus). The engine core and the worker take turns, so the
+worker's own core suits the engine core best: there no other process delays the scheduling of every step. Measured
+in docs/benchmarks.md (batch throughput).
 """
 
 from __future__ import annotations

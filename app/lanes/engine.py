@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -59,25 +60,45 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
     return args
 
 
-def place_on_cpus(cfg: AppConfig, settings: EngineSettings) -> None:
-    """Before an engine starts on the CPU, put it where the lane's settings say:
+@contextmanager
+def placed_on_cpus(cfg: AppConfig, settings: EngineSettings) -> Iterator[None]:
+    """Start an engine inside this block to put it where the lane's settings say (CPU hosts only):
     - its worker threads on `cpu_threads_bind`: vLLM's CPU worker reads VLLM_CPU_OMP_THREADS_BIND when it starts, and
       two engines left on the default share core 0;
-    - this (replica) process on `cpu_frontend_bind`, so the engine-core process it spawns inherits those cores
-      (app/lanes/cpu_priority.py says why)."""
+    - its engine-core process (the scheduler) on `cpu_engine_core_bind`, else with the frontend: the process spawns
+      with this process's affinity, so this process is pinned there while inside the block;
+    - this (replica) process, vLLM's frontend, on `cpu_frontend_bind` from then on (app/lanes/cpu_priority.py says
+      why); with only an engine-core binding it gets its own affinity back on leaving."""
     if cfg.device != "cpu":
+        yield
         return
     if settings.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
-    if not settings.cpu_frontend_bind:
-        return
-    cpus = parse_cpu_list(settings.cpu_frontend_bind)
+    own_affinity = os.sched_getaffinity(0)
+    engine_core_cpus = settings.cpu_engine_core_bind or settings.cpu_frontend_bind
+    if engine_core_cpus:
+        _pin_self(engine_core_cpus, "cpu_engine_core_bind" if settings.cpu_engine_core_bind else "cpu_frontend_bind")
     try:
-        threads = pin_process(os.getpid(), cpus)
+        yield
+    finally:
+        if settings.cpu_engine_core_bind:
+            if settings.cpu_frontend_bind:
+                _pin_self(settings.cpu_frontend_bind, "cpu_frontend_bind")
+            else:
+                pin_process(os.getpid(), own_affinity)
+    logger.info("engine placement: worker threads on %s, engine core on %s, frontend on %s",
+                settings.cpu_threads_bind or "vLLM's default", engine_core_cpus or "any CPU",
+                settings.cpu_frontend_bind or "any CPU")
+
+
+def _pin_self(cpu_list: str, setting: str) -> None:
+    """Pin every thread of this process to `cpu_list` (the value of `setting`), naming the setting if the host
+    cannot take it."""
+    try:
+        pin_process(os.getpid(), parse_cpu_list(cpu_list))
     except OSError as error:  # EINVAL: none of those cores exists (or is allowed) on this host
-        raise RuntimeError(f"cpu_frontend_bind={settings.cpu_frontend_bind!r} cannot be applied on this host "
+        raise RuntimeError(f"{setting}={cpu_list!r} cannot be applied on this host "
                            f"({os.cpu_count()} CPUs, allowed {sorted(os.sched_getaffinity(0))}): {error}") from error
-    logger.info("lane frontend and engine core pinned to CPUs %s (%d threads)", sorted(cpus), threads)
 
 
 class VllmEngine:
@@ -99,14 +120,14 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        place_on_cpus(self.cfg, self.settings)
         args = engine_args_dict(self.cfg, self.settings, self.kv_events_config)
         if "kv_events_config" in args:
             from vllm.config import KVEventsConfig
 
             args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
         engine_args = AsyncEngineArgs(**args)
-        self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=self.stat_logger_factories())
+        with placed_on_cpus(self.cfg, self.settings):
+            self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=self.stat_logger_factories())
         if self.settings.cpu_nice:
             # The engine-core process and its worker threads exist now; this replica's own threads stay at the
             # default priority (they stream results back to the Router).
@@ -234,11 +255,12 @@ def offline_generate(cfg: AppConfig, settings: EngineSettings, prompts: list[lis
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    place_on_cpus(cfg, settings)  # as a lane replica does: the same settings, the same placement
     started = time.perf_counter()
     # The lane's own engine arguments, unchanged (LLM passes them to EngineArgs); stream_interval has no effect here,
-    # as LLM.generate returns whole outputs.
-    llm = LLM(**engine_args_dict(cfg, settings))
+    # as LLM.generate returns whole outputs. Placed as a lane replica places its engine: the same settings, the same
+    # cores.
+    with placed_on_cpus(cfg, settings):
+        llm = LLM(**engine_args_dict(cfg, settings))
     engine_start_s = time.perf_counter() - started
     try:
         if warmup_prompts:

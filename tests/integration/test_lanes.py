@@ -7,13 +7,16 @@ bring requests in; contention inside an engine therefore needs long generations 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import httpx
 import pytest
 
+from app.config import load_app_config
+from app.lanes.cpu_priority import parse_cpu_list
 from tests.integration.conftest import (TEST_HOT_MAX_NUM_SEQS, TEST_INTERACTIVE_QUEUE_BOUND, TEST_MAX_NUM_SEQS,
-                                        lane_stats, wait_until, wait_until_async)
+                                        lane_stats, local_test_document, wait_until, wait_until_async)
 
 
 async def first_token_time(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None):
@@ -141,3 +144,41 @@ def test_request_timeout_header_must_be_positive_seconds(app_url, served_model):
     response = httpx.post(f"{app_url}/v1/completions", timeout=30, headers={"X-Request-Timeout": "soon"},
                           json=long_body(served_model, "default", 4))
     assert response.status_code == 400 and response.json()["error"]["param"] == "X-Request-Timeout"
+
+
+def processes_named(prefix: str) -> list[int]:
+    """Pids whose command line (a process title, for Ray's and vLLM's processes) starts with `prefix`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if entry.isdigit() and cmdline.read().decode(errors="replace").startswith(prefix):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="local.yaml's placement names cores 0 and 1")
+def test_cold_engine_processes_run_where_local_yaml_places_them(app_url, tiny_model):
+    """local.yaml: the cold lane's worker and engine core (scheduler) on core 1 at niceness 19, its replica (vLLM's
+    frontend) on core 0 at Ray's 15 - the engine's two halves take turns on one core, undisturbed by the app."""
+    engine = load_app_config(local_test_document(tiny_model)[1]).cold_lane.engine
+    replicas = processes_named("ray::ServeReplica:llm-lanes:ColdLane")
+    assert len(replicas) == 1, replicas
+    replica = replicas[0]
+    engine_cores = [pid for pid in processes_named("VLLM::EngineCore") if parent_of(pid) == replica]
+    assert len(engine_cores) == 1, engine_cores
+    workers = [pid for pid in processes_named("VLLM::Worker") if parent_of(pid) == engine_cores[0]]
+    assert len(workers) == 1, workers
+
+    assert os.sched_getaffinity(replica) == parse_cpu_list(engine.cpu_frontend_bind) == {0}
+    assert os.sched_getaffinity(engine_cores[0]) == parse_cpu_list(engine.cpu_engine_core_bind) == {1}
+    assert os.getpriority(os.PRIO_PROCESS, engine_cores[0]) == engine.cpu_nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, workers[0]) == 19
+    assert os.getpriority(os.PRIO_PROCESS, replica) < 19  # the frontend answers the Router at Ray's niceness

@@ -162,6 +162,12 @@ def test_settings_label_leaves_out_an_unpinned_engine():
         "max_num_seqs 8, max_num_batched_tokens 512"
 
 
+def test_settings_label_says_where_each_engine_process_runs():
+    assert settings_label({"max_num_seqs": 8, "max_num_batched_tokens": 512, "cpu_threads_bind": "1",
+                           "cpu_engine_core_bind": "1", "cpu_frontend_bind": "0"}) == \
+        "max_num_seqs 8, max_num_batched_tokens 512, cores 1, engine core on 1, frontend on 0"
+
+
 def test_derived_config_only_moves_the_batch_store():
     base = {"applications": [{"name": "llm-lanes", "import_path": "app.main:build_app",
                               "args": {"device": "cpu", "batch": {"store": ".data/b.sqlite3", "window_max": 32}}}]}

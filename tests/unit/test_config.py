@@ -1,6 +1,7 @@
 """Config schema rules: each rule fails with a message that names the field and the fix."""
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -182,27 +183,59 @@ def test_cpu_nice_is_a_niceness_and_stays_out_of_the_engine_args():
     assert "cpu_nice" not in engine_args_dict(cfg, cfg.cold_lane.engine)
 
 
-def test_cpu_frontend_bind_is_a_cpu_list_and_stays_out_of_the_engine_args():
-    message = error_of(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "0;1"}))
-    assert "cold_lane.engine" in message and "cpu_frontend_bind" in message and "CPU list" in message
-    cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "0-1"}))
-    assert cfg.cold_lane.engine.cpu_frontend_bind == "0-1" and cfg.hot_lane.engine.cpu_frontend_bind is None
-    assert "cpu_frontend_bind" not in engine_args_dict(cfg, cfg.cold_lane.engine)
+@pytest.mark.parametrize("setting", ["cpu_frontend_bind", "cpu_engine_core_bind"])
+def test_cpu_bindings_are_cpu_lists_and_stay_out_of_the_engine_args(setting):
+    message = error_of(cpu_args(**{f"cold_lane.engine.{setting}": "0;1"}))
+    assert "cold_lane.engine" in message and setting in message and "CPU list" in message
+    cfg = load_app_config(cpu_args(**{f"cold_lane.engine.{setting}": "0-1"}))
+    assert getattr(cfg.cold_lane.engine, setting) == "0-1" and getattr(cfg.hot_lane.engine, setting) is None
+    assert setting not in engine_args_dict(cfg, cfg.cold_lane.engine)
 
 
-def test_place_on_cpus_binds_the_engine_threads_and_names_a_frontend_core_the_host_lacks(monkeypatch):
-    from app.lanes.engine import place_on_cpus
+def test_placed_on_cpus_binds_the_engine_threads_and_names_a_frontend_core_the_host_lacks(monkeypatch):
+    from app.lanes.engine import placed_on_cpus
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     cfg = load_app_config(cpu_args(**{"hot_lane.engine.cpu_threads_bind": "0"}))
-    place_on_cpus(cfg, cfg.hot_lane.engine)
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    with placed_on_cpus(cfg, cfg.hot_lane.engine):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
     affinity = os.sched_getaffinity(0)
-    cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_frontend_bind": "4095"}))
-    with pytest.raises(RuntimeError, match=r"cpu_frontend_bind='4095' cannot be applied on this host"):
-        place_on_cpus(cfg, cfg.cold_lane.engine)
-    assert os.sched_getaffinity(0) == affinity  # nothing was pinned
+    for setting in ("cpu_frontend_bind", "cpu_engine_core_bind"):
+        cfg = load_app_config(cpu_args(**{f"cold_lane.engine.{setting}": "4095"}))
+        with pytest.raises(RuntimeError, match=rf"{setting}='4095' cannot be applied on this host"):
+            with placed_on_cpus(cfg, cfg.cold_lane.engine):
+                pass
+        assert os.sched_getaffinity(0) == affinity  # nothing was pinned
+
+
+def test_the_engine_core_spawns_on_its_own_cores_and_the_frontend_moves_on_afterwards():
+    """What an engine started inside the block inherits (here: a thread started there, as a spawned process would)
+    and where this process runs once the engine is up."""
+    from app.lanes.cpu_priority import pin_process
+    from app.lanes.engine import placed_on_cpus
+
+    affinity = os.sched_getaffinity(0)
+    first, last = min(affinity), max(affinity)
+    cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_engine_core_bind": str(last),
+                                      "cold_lane.engine.cpu_frontend_bind": str(first)}))
+    inherited: list[set[int]] = []
+    try:
+        with placed_on_cpus(cfg, cfg.cold_lane.engine):
+            started = threading.Thread(target=lambda: inherited.append(os.sched_getaffinity(0)))
+            started.start()
+            started.join()
+        assert inherited == [{last}]
+        assert os.sched_getaffinity(0) == {first}
+
+        # Without a frontend binding the process gets back the affinity it had.
+        pin_process(os.getpid(), affinity)
+        cfg = load_app_config(cpu_args(**{"cold_lane.engine.cpu_engine_core_bind": str(last)}))
+        with placed_on_cpus(cfg, cfg.cold_lane.engine):
+            assert os.sched_getaffinity(0) == {last}
+        assert os.sched_getaffinity(0) == affinity
+    finally:
+        pin_process(os.getpid(), affinity)
 
 
 def test_hot_batch_borrowing_needs_both_lanes():
