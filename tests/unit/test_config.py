@@ -192,7 +192,7 @@ def test_cpu_bindings_are_cpu_lists_and_stay_out_of_the_engine_args(setting):
     assert setting not in engine_args_dict(cfg, cfg.cold_lane.engine)
 
 
-def test_placed_on_cpus_binds_the_engine_threads_and_names_a_frontend_core_the_host_lacks(monkeypatch):
+def test_placed_on_cpus_binds_the_engine_threads_and_names_a_core_the_host_lacks(monkeypatch):
     from app.lanes.engine import placed_on_cpus
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
