@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from app.config import load_app_config
-from app.lanes.cpu_priority import parse_cpu_list
+from app.lanes.cpu_priority import descendant_pids, parse_cpu_list
 from tests.integration.conftest import (TEST_HOT_MAX_NUM_SEQS, TEST_INTERACTIVE_QUEUE_BOUND, TEST_MAX_NUM_SEQS,
                                         lane_stats, local_test_document, wait_until, wait_until_async)
 
@@ -159,11 +159,6 @@ def processes_named(prefix: str) -> list[int]:
     return found
 
 
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
-
-
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="local.yaml's placement names cores 0 and 1")
 def test_cold_engine_processes_run_where_local_yaml_places_them(app_url, tiny_model):
     """local.yaml: the cold lane's worker and engine core (scheduler) on core 1 at niceness 19, its replica (vLLM's
@@ -172,9 +167,11 @@ def test_cold_engine_processes_run_where_local_yaml_places_them(app_url, tiny_mo
     replicas = processes_named("ray::ServeReplica:llm-lanes:ColdLane")
     assert len(replicas) == 1, replicas
     replica = replicas[0]
-    engine_cores = [pid for pid in processes_named("VLLM::EngineCore") if parent_of(pid) == replica]
+    below_replica = set(descendant_pids(replica))
+    engine_cores = [pid for pid in processes_named("VLLM::EngineCore") if pid in below_replica]
     assert len(engine_cores) == 1, engine_cores
-    workers = [pid for pid in processes_named("VLLM::Worker") if parent_of(pid) == engine_cores[0]]
+    below_engine_core = set(descendant_pids(engine_cores[0]))
+    workers = [pid for pid in processes_named("VLLM::Worker") if pid in below_engine_core]
     assert len(workers) == 1, workers
 
     assert os.sched_getaffinity(replica) == parse_cpu_list(engine.cpu_frontend_bind) == {0}
