@@ -224,6 +224,11 @@ class AdmissionConfig(StrictModel):
     # or realtime request waits at this Router: the hot engine's idle turns do batch work, at batch priority. 0 (the
     # default) keeps batch off the hot lane. Each loan can lengthen the hot lane's steps by its prefill chunk.
     hot_batch_borrow_max: int = Field(0, ge=0)
+    # An interactive request on the hot lane generates this many tokens there (its time to first token), then the
+    # cold lane decodes the rest at interactive priority, in its large batch steps (app/router/handoff.py). The hot
+    # lane then spends no steps on interactive decode, which is what it costs the batch work on a shared GPU; the
+    # interactive time per output token becomes the cold lane's step time. 0 (the default): the hot lane serves it all.
+    interactive_decode_handoff_tokens: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
 
@@ -376,6 +381,9 @@ class AppConfig(StrictModel):
         if self.admission.hot_batch_borrow_max and (self.cold_lane is None or self.hot_lane is None):
             raise ValueError("admission.hot_batch_borrow_max lends the cold lane's batch work to the hot lane, and "
                              "this app has only one lane: set it to 0 or add the other lane")
+        if self.admission.interactive_decode_handoff_tokens and (self.cold_lane is None or self.hot_lane is None):
+            raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane to "
+                             "the cold lane, and this app has only one lane: set it to 0 or add the other lane")
         return self
 
     def lane(self, name: str) -> LaneConfig:

@@ -209,6 +209,7 @@ class VllmEngine:
                 text=completion.text,
                 completion_tokens=completion_tokens,
                 cached_prompt_tokens=output.num_cached_tokens or 0,
+                token_ids=tuple(completion.token_ids) if request.return_token_ids else (),
                 finish_reason=completion.finish_reason if output.finished else None,
             )
 

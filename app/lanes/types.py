@@ -30,6 +30,8 @@ class LaneRequest:
     may_spill: bool = False
     # W3C trace context of the caller, so the lane's spans join the request's trace.
     trace_carrier: dict[str, str] = field(default_factory=dict)
+    # True: each chunk carries the ids of the tokens it adds, so the Router can hand the answer to another lane.
+    return_token_ids: bool = False
 
 
 class LaneSaturated(Exception):
@@ -51,6 +53,8 @@ class LaneChunk:
     finish_reason: str | None = None
     replica_id: str = ""
     lane: str = ""
+    # The ids of the tokens this chunk adds (only when the request asked for them: LaneRequest.return_token_ids).
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -50,7 +50,8 @@ from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, Unknown
 from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
 from app.router.replica_counts import LANE_DEPLOYMENTS, health_response, running_replicas
 from app.router.slot_waiters import SlotWaiters
-from app.router.spill import RouteDecision, RouteRefusal
+from app.router.handoff import REASON_DECODE_ON_COLD, continuation_lane, handoff_after_tokens
+from app.router.spill import COLD_LANE_INTERACTIVE_PRIORITY, RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
 LANE_OF_DEPLOYMENT = {deployment: lane for lane, deployment in LANE_DEPLOYMENTS.items()}
@@ -285,6 +286,22 @@ class Generation:
         self.record = record if record is not None else RequestRecord(router.metrics, router.tracing, None, "internal")
         self.record.request_class = request_class
         self.record.lane = self.lane.value
+        # Decode handoff (app/router/handoff.py): the hot lane generates the first `handoff_after` tokens, then the
+        # answer continues on the cold lane. The hot part's last chunk is held back from the client's view as final.
+        self.requested_max_tokens = route.max_tokens
+        self.prompt_tokens = len(lane_request.prompt_token_ids)
+        self.handoff_after = handoff_after_tokens(
+            request_class=request_class, lane=self.lane, prompt_tokens=self.prompt_tokens,
+            max_tokens=route.max_tokens, stop=lane_request.sampling.stop,
+            handoff_tokens=router.cfg.admission.interactive_decode_handoff_tokens,
+            lane_caps=router.control.lane_caps)
+        self._handed_off_ids: list[int] = []  # the hot part's tokens, the continuation's prompt suffix
+        self._handoff_due = False
+        self._continued = False
+        if self.handoff_after is not None:
+            self.reasons.append(REASON_DECODE_ON_COLD)
+            self.lane_request = replace(self.lane_request, return_token_ids=True,
+                                        sampling=replace(self.lane_request.sampling, max_tokens=self.handoff_after))
         for reason in self.reasons:
             router.metrics.count_degrade(reason=reason_label(reason), request_class=request_class)
         # A batch request counts against its lane's batch slots (and, on the hot lane, the loans) until it ends,
@@ -330,7 +347,13 @@ class Generation:
             self.record.lane = self.lane.value
             self.reasons.append(REASON_KV_HEADROOM)
             self.router.metrics.count_degrade(reason=REASON_KV_HEADROOM, request_class=self.request_class)
-            self.lane_request = replace(self.lane_request, may_spill=False)
+            if self.handoff_after is not None:
+                # On the cold lane from its first token: nothing left to hand off.
+                self.handoff_after = None
+                self.reasons.remove(REASON_DECODE_ON_COLD)
+            self.lane_request = replace(self.lane_request, may_spill=False, return_token_ids=False,
+                                        sampling=replace(self.lane_request.sampling,
+                                                         max_tokens=self.requested_max_tokens))
             if not control.allow(self.lane):
                 raise api.OpenAIError(503, "both lanes are saturated or failing; retry shortly", type="server_error",
                                       code="lanes_saturated", headers={"Retry-After": "1"}) from None
@@ -342,7 +365,7 @@ class Generation:
         try:
             # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
             self.stream = self.router.lanes[self.lane.value].options(stream=True).generate.remote(self.lane_request)
-            return await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining())
+            return self._seen(await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining()))
         except LaneSaturated:
             self.stream.cancel()
             raise
@@ -356,7 +379,9 @@ class Generation:
                 yield self._first
             while self.last.finish_reason is None:
                 try:
-                    chunk = await asyncio.wait_for(anext(self.stream), timeout=self._remaining())
+                    if self._handoff_due:
+                        self._continue_elsewhere()
+                    chunk = self._seen(await asyncio.wait_for(anext(self.stream), timeout=self._remaining()))
                 except StopAsyncIteration:
                     break
                 except BaseException as error:
@@ -379,6 +404,40 @@ class Generation:
                 self.router.control.finished(self.request_class, self.lane, Outcome(ok=True), None)
             if not self.record.finished:
                 self.record.failed(CLIENT_CLOSED_STATUS, self._output_tokens())
+
+    def _seen(self, chunk: LaneChunk) -> LaneChunk:
+        """A chunk from the lane, as the client sees it: the continuation's counts go on from the hot part's, and
+        the hot part's last chunk is not final when the cold lane is to go on."""
+        if self._continued:
+            return replace(chunk, completion_tokens=chunk.completion_tokens + len(self._handed_off_ids),
+                           prompt_tokens=self.prompt_tokens,
+                           cached_prompt_tokens=self._first.cached_prompt_tokens)
+        if self.handoff_after is None:
+            return chunk
+        self._handed_off_ids.extend(chunk.token_ids)
+        if chunk.finish_reason == "length" and chunk.completion_tokens == self.handoff_after:
+            # The hot lane stopped at the handoff point, not at the client's limit (EOS or max_tokens): go on.
+            self._handoff_due = True
+            return replace(chunk, finish_reason=None, token_ids=())
+        return replace(chunk, token_ids=())
+
+    def _continue_elsewhere(self) -> None:
+        """Send the rest of the answer to the cold lane (or the hot lane while the cold lane's breaker is open)."""
+        control = self.router.control
+        self._handoff_due = False
+        # The hot part succeeded; the request's end-to-end sample is taken once, when the continuation ends.
+        control.finished(self.request_class, self.lane, Outcome(ok=True), None)
+        self.stream.cancel()
+        self.lane = continuation_lane(control.allow(Lane.COLD))
+        done = len(self._handed_off_ids)
+        priority = COLD_LANE_INTERACTIVE_PRIORITY if self.lane is Lane.COLD else self.lane_request.priority
+        self.lane_request = replace(
+            self.lane_request, request_id=f"{self.lane_request.request_id}-decode", priority=priority,
+            prompt_token_ids=[*self.lane_request.prompt_token_ids, *self._handed_off_ids],
+            sampling=replace(self.lane_request.sampling, max_tokens=self.requested_max_tokens - done),
+            may_spill=False, return_token_ids=False)
+        self._continued = True
+        self.stream = self.router.lanes[self.lane.value].options(stream=True).generate.remote(self.lane_request)
 
     def _output_tokens(self) -> int:
         return self.last.completion_tokens if self.last is not None else 0

@@ -1,0 +1,63 @@
+"""Decode handoff on the real CPU engines (`admission.interactive_decode_handoff_tokens: 1`): an interactive answer's
+first token comes from the hot lane, the rest from the cold lane, and the client gets one answer -- the same text the
+hot lane alone gives for a greedy request, with every token counted once. Its own app, started after every other
+integration module."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.integration.conftest import lane_stats, local_test_document, served_app, write_serve_config
+
+MAX_TOKENS = 24
+PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+@pytest.fixture(scope="module")
+def handoff_app(tmp_path_factory, tiny_model):
+    tmp_dir = tmp_path_factory.mktemp("decode-handoff")
+    document, args = local_test_document(tiny_model)
+    args["admission"]["interactive_decode_handoff_tokens"] = 1
+    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
+    config = write_serve_config(tmp_dir / "decode-handoff.yaml", document)
+    with served_app(config, tmp_dir / "serve.log") as app:
+        yield app
+
+
+def chat(url: str, served_model: str, **fields) -> httpx.Response:
+    body = {"model": served_model, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, **fields}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_a_streamed_interactive_answer_is_finished_by_the_cold_lane(handoff_app, served_model):
+    url = handoff_app.url
+    assert lane_stats(url)["cold"]["max_inflight_by_class"].get("interactive", 0) == 0
+    response = chat(url, served_model, stream=True, stream_options={"include_usage": True})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-llm-lanes-lane"] == "hot"
+    assert response.headers["x-llm-lanes-degraded"] == "decode_on_cold"
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [e["choices"][0] for e in events if e.get("choices")]
+    finishes = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
+    assert finishes == ["length"], finishes  # one end, though two engines generated it
+    assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    # The cold engine ran the continuation (at interactive priority: it ran, it did not wait for batch).
+    assert lane_stats(url)["cold"]["max_inflight_by_class"]["interactive"] == 1
+    streamed = "".join(c["delta"].get("content", "") for c in choices)
+
+    # Greedy, the same answer as the hot lane alone gives (realtime is never handed off): no token lost or repeated
+    # at the boundary, and the cold lane's text goes on where the hot lane's stopped.
+    whole = chat(url, served_model, service_tier="priority")
+    assert whole.status_code == 200 and "x-llm-lanes-degraded" not in whole.headers
+    assert whole.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    assert streamed == whole.json()["choices"][0]["message"]["content"]
+
+    collected = chat(url, served_model)  # not streamed: both parts joined into one message
+    assert collected.status_code == 200 and collected.headers["x-llm-lanes-degraded"] == "decode_on_cold"
+    assert collected.json()["choices"][0]["message"]["content"] == streamed
+    assert collected.json()["usage"] == whole.json()["usage"]
