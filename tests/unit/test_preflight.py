@@ -195,3 +195,37 @@ def test_cli_exit_code_follows_fail(timeout, expected, capsys):
     readings = preflight.gather_readings(bandwidth=False)
     gpu_fail = any(c.status == FAIL for c in run_checks(readings) if not c.name.startswith("request timeout"))
     assert code == (1 if gpu_fail else expected)
+
+
+# ---- the MPS daemon behind CUDA_MPS_* settings (serve_configs/gpu-single.yaml) ------------------------------------
+
+MPS_COLD = {"cold_lane": ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_PRIORITY"]}
+
+
+def test_mps_settings_without_a_daemon_warn_and_say_how_to_start_it():
+    check = preflight.check_mps_daemon(h200_node(serve_config="gpu-single.yaml", mps_settings=MPS_COLD,
+                                                 mps_daemon=False))
+    assert check.status == WARN and "cold_lane: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in check.value
+    assert "nvidia-cuda-mps-control -d" in check.detail and "do nothing" in check.detail
+
+
+@pytest.mark.parametrize("readings, status", [
+    (h200_node(serve_config="gpu-single.yaml", mps_settings=MPS_COLD, mps_daemon=True,
+               mps_daemon_evidence="control pipe /tmp/nvidia-mps/control"), PASS),
+    (h200_node(serve_config="prod.yaml"), SKIP),  # no lane asks for MPS
+    (Readings(serve_config="gpu-single.yaml", mps_settings=MPS_COLD, mps_daemon=False), SKIP),  # no GPU here
+])
+def test_mps_check_passes_with_a_daemon_and_skips_when_it_does_not_apply(readings, status):
+    assert preflight.check_mps_daemon(readings).status == status
+
+
+def test_gather_reads_mps_settings_and_one_lane_configs(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # an empty pipe directory: no daemon there
+    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
+    assert readings.mps_settings == MPS_COLD
+    (tmp_path / "control").touch()  # a daemon's control pipe (e.g. one running outside this container)
+    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
+    assert readings.mps_daemon is True and str(tmp_path) in readings.mps_daemon_evidence
+    # The single-pool baseline has no cold lane: only the hot lane is read.
+    baseline = preflight.gather_readings(serve_config=str(REPO / "serve_configs/baseline-gpu.yaml"), bandwidth=False)
+    assert baseline.health_check_periods_s == {"hot_lane": 3.0} and baseline.mps_settings == {}
