@@ -382,8 +382,8 @@ class AppConfig(StrictModel):
             raise ValueError("admission.hot_batch_borrow_max lends the cold lane's batch work to the hot lane, and "
                              "this app has only one lane: set it to 0 or add the other lane")
         if self.admission.interactive_decode_handoff_tokens and (self.cold_lane is None or self.hot_lane is None):
-            raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane to "
-                             "the cold lane, and this app has only one lane: set it to 0 or add the other lane")
+            raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane "
+                             "to the cold lane, and this app has only one lane: set it to 0 or add the other lane")
         return self
 
     def lane(self, name: str) -> LaneConfig:
