@@ -572,6 +572,22 @@ def write_campaign_summary(campaign: Path, out: Path) -> dict[str, Path]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Traced phases (TRACING=1): the config's copy writes every span to a file, for load_tests.ttft_breakdown
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def traced_serve_config(config_text: str, spans_path: str) -> str:
+    """The serve config with every application tracing every request to `spans_path` (JSON lines, written as each
+    span ends: nothing is lost when the phase stops the app)."""
+    import yaml
+
+    document = yaml.safe_load(config_text)
+    for application in document["applications"]:
+        observability = application.setdefault("args", {}).setdefault("observability", {})
+        observability["tracing"] = {"exporter": "file", "file_path": spans_path, "sample_ratio": 1.0}
+    return yaml.safe_dump(document, sort_keys=False)
+
+
 # CLI
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -597,6 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     stats = sub.add_parser("stats")
     stats.add_argument("--url", required=True)
     stats.add_argument("--out", type=Path, required=True)
+    traced = sub.add_parser("traced-config", help="a copy of a serve config that traces every request to a file")
+    traced.add_argument("--config", type=Path, required=True)
+    traced.add_argument("--spans", required=True, help="the span file the app appends to")
+    traced.add_argument("--out", type=Path, required=True)
     summary_parser = sub.add_parser("summary")
     summary_parser.add_argument("--campaign", type=Path, required=True)
     summary_parser.add_argument("--out", type=Path, required=True)
@@ -628,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
         status, payload = http_json("GET", args.url + "/v1/admin/stats", timeout_s=STATS_TIMEOUT_S)
         args.out.write_text(json.dumps(payload, indent=1, default=str))
         return 0 if status == 200 else 1
+    if args.command == "traced-config":
+        args.out.write_text(traced_serve_config(args.config.read_text(), args.spans))
+        return 0
     paths = write_campaign_summary(args.campaign, args.out)
     print("summary: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0

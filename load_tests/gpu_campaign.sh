@@ -27,7 +27,10 @@
 # PHASE_EST_S (seconds a serving phase needs, 240), READY_TIMEOUT_S (420), SCENARIOS ("gpu_mixed"; e.g.
 # "gpu_mixed gpu_shared_prefix"), SCENARIO_DIR (load_tests/scenarios), CAMPAIGN_DIR (/tmp/campaign), PY (python3),
 # DIRECT_INGRESS (1: Ray Serve's direct ingress for every serving phase of this invocation: the load generator sends
-# the scenarios to the Router replicas' own ports, not through the HTTP proxy; phases are named <label>-di).
+# the scenarios to the Router replicas' own ports, not through the HTTP proxy; phases are named <label>-di),
+# TRACING (1: every serving phase serves a copy of its config that writes every request's spans to
+# <phase>/spans.jsonl, and <phase>/ttft-breakdown.md splits each class's TTFT into the hops of the request path
+# (load_tests/ttft_breakdown.py); phases are named <label>-traced; the file writes add a little to every request).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,6 +48,7 @@ READY_TIMEOUT_S=${READY_TIMEOUT_S:-420}
 SCENARIOS=${SCENARIOS:-gpu_mixed}
 SCENARIO_DIR=${SCENARIO_DIR:-load_tests/scenarios}
 DIRECT_INGRESS=${DIRECT_INGRESS:-0}
+TRACING=${TRACING:-0}
 # Kept free at the end of a call for the summary, the tarball and the copy into $OUT.
 FINALIZE_RESERVE_S=30
 # GPU memory (MiB) under which the GPU counts as released after a phase.
@@ -83,6 +87,7 @@ config_for() {
 label_for() {
   local suffix=""
   [ "$DIRECT_INGRESS" = 1 ] && suffix="-di"
+  [ "$TRACING" = 1 ] && suffix="$suffix-traced"
   case "$1" in
     config=*) echo "$(basename "${1#config=}" .yaml)$suffix" ;;
     config-mps=*) echo "$(basename "${1#config-mps=}" .yaml)-mps$suffix" ;;
@@ -276,6 +281,12 @@ run_serving_phase() {
     return 1
   fi
   ensure_model || { write_phase_json "$dir" "$label" "$config" "model_failed" false; return 1; }
+  if [ "$TRACING" = 1 ]; then
+    "$PY" -m load_tests.gpu_campaign traced-config --config "$config" --spans "$dir/spans.jsonl" \
+      --out "$dir/serve-config-traced.yaml" >>"$LOG" 2>&1 \
+      || { write_phase_json "$dir" "$label" "$config" "config_invalid" false; log "[$label] no traced config"; return 1; }
+    config=$dir/serve-config-traced.yaml
+  fi
   # gpu-single.yaml caps the cold lane under MPS: without the daemon its CUDA_MPS_* settings do nothing.
   if [ "$phase" = lanes ] || [ "$phase" = lanes-tuned-mps ] || [[ "$phase" == config-mps=* ]]; then
     if start_mps; then mps=true; log "[$label] MPS daemon started"; else
@@ -330,6 +341,11 @@ run_serving_phase() {
           || { log "[$label] scenario $sc exited $? (see $sc.log)"; status="partial"; }
       done
       scenario_s=$(( $(date +%s) - t ))
+      if [ "$TRACING" = 1 ]; then
+        timeout 120 "$PY" -m load_tests.ttft_breakdown "$dir/spans.jsonl" --json "$dir/ttft-breakdown.json" \
+          >"$dir/ttft-breakdown.md" 2>&1
+        log "[$label] TTFT by hop (ms):"; cat "$dir/ttft-breakdown.md" | tee -a "$LOG" >&2
+      fi
       nvidia-smi >"$dir/nvidia-smi-after.txt" 2>&1
       "$PY" -m load_tests.gpu_campaign stats --url "$URL" --out "$dir/stats-final.json" >/dev/null 2>&1
     else
@@ -342,6 +358,7 @@ run_serving_phase() {
   stop_app "$dir"
   shutdown_s=$(( $(date +%s) - t ))
   keep_tail "$dir/serve.log" 6000000
+  [ -f "$dir/spans.jsonl" ] && keep_tail "$dir/spans.jsonl" 20000000
   write_phase_json "$dir" "$label" "$config" "$status" "$mps" "ray_start_s=$ray_s" "ready_s=$ready_s" \
     "scenario_s=$scenario_s" "shutdown_s=$shutdown_s" "phase_s=$(( $(date +%s) - PHASE_T0 ))"
   log "[$label] $status: ray ${ray_s}s, ready ${ready_s:-–}s, scenarios ${scenario_s:-–}s, shutdown ${shutdown_s}s"

@@ -332,3 +332,11 @@ def test_one_trace_spans_router_and_lane(app_url, served_model):
     assert by_name["prefill"]["end_time_ns"] <= by_name["decode"]["end_time_ns"]
     # One host, one wall clock: the lane starts inside the request (its end races the Router's last chunk).
     assert request["start_time_ns"] <= lane["start_time_ns"] <= request["end_time_ns"]
+    # load_tests.ttft_breakdown splits this request's time to first token into hops that add up to it.
+    from load_tests.ttft_breakdown import SEGMENTS, request_segments
+
+    request_class, hops = request_segments(spans)
+    assert request_class == "interactive"
+    parts = [hops[name] for name in SEGMENTS if name != "ttft_at_router"]
+    assert all(part >= 0 for part in parts), hops
+    assert sum(parts) == pytest.approx(hops["ttft_at_router"], abs=0.01)

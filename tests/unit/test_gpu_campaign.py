@@ -421,3 +421,27 @@ def test_missing_payload_stops_at_once(fake_host):
     env = {**fake_host, "PATH": "/usr/bin:/bin"}  # no serve / ray (PY is the venv's python, by full path)
     done = _run(env, "baseline-fcfs")
     assert done.returncode == 42 and "payload" in done.stderr
+
+
+def test_traced_config_sends_every_span_to_the_phase_file():
+    text = (REPO / "serve_configs" / "gpu-single.yaml").read_text()
+    traced = yaml.safe_load(gc.traced_serve_config(text, "/tmp/campaign/x/spans.jsonl"))
+    args = traced["applications"][0]["args"]
+    assert args["observability"]["tracing"] == {"exporter": "file", "file_path": "/tmp/campaign/x/spans.jsonl",
+                                                "sample_ratio": 1.0}
+    original = yaml.safe_load(text)["applications"][0]["args"]
+    assert {k: v for k, v in args.items() if k != "observability"} == original  # nothing else changes
+
+
+def test_a_traced_phase_serves_the_traced_copy_and_writes_a_breakdown(fake_host):
+    done = _run({**fake_host, "TRACING": "1"}, "baseline-fcfs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    phase_dir = Path(fake_host["CAMPAIGN_DIR"]) / "baseline-fcfs-traced"
+    traced = phase_dir / "serve-config-traced.yaml"
+    calls = Path(fake_host["FAKE_CALLS"]).read_text().splitlines()
+    assert f"serve run --address auto {traced}" in calls
+    tracing = yaml.safe_load(traced.read_text())["applications"][0]["args"]["observability"]["tracing"]
+    assert tracing["file_path"] == str(phase_dir / "spans.jsonl")
+    # The fake app writes no spans: the breakdown says so instead of inventing numbers.
+    assert "no span file" in (phase_dir / "ttft-breakdown.md").read_text()
+    assert "TTFT by hop" in done.stderr
