@@ -182,3 +182,20 @@ async def test_the_hot_lane_finishes_the_answer_while_the_cold_lanes_breaker_is_
     assert rest.priority == policy_for(RequestClass.INTERACTIVE).priority
     assert events[-1]["usage"]["completion_tokens"] == 5
 
+
+
+async def test_a_cold_lane_failure_after_the_first_token_ends_the_stream_with_an_error_and_counts_against_it(
+        tmp_path):
+    from tests.unit.test_router_breaker_wiring import DeadLane
+
+    router = handoff_router(tmp_path)
+    router.lanes["cold"] = DeadLane("cold")
+    _, generation = await start(router, stream=True)
+    raw = [e async for e in router._sse_events("completion", "id", "tiny", generation, include_usage=True)]
+    events = [json.loads(e.removeprefix("data: ")) for e in raw]  # no [DONE]: the stream ended on the error
+    texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+    assert texts == ["t100."]  # the first token, from the hot lane, reached the client
+    error = events[-1]["error"]  # then an OpenAI-shaped error event, not a silent end
+    assert error["code"] == "lane_unavailable" and "cold lane" in error["message"]
+    assert len(router.control.breakers[Lane.COLD]._failure_times) == 1  # the cold lane's failure, not the hot one's
+    assert not router.control.breakers[Lane.HOT]._failure_times
