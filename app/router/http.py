@@ -287,7 +287,7 @@ class Generation:
         self.record.request_class = request_class
         self.record.lane = self.lane.value
         # Decode handoff (app/router/handoff.py): the hot lane generates the first `handoff_after` tokens, then the
-        # answer continues on the cold lane. The hot part's last chunk is held back from the client's view as final.
+        # answer continues on the cold lane. The hot part's last chunk reaches the client as a middle chunk.
         self.requested_max_tokens = route.max_tokens
         self.prompt_tokens = len(lane_request.prompt_token_ids)
         self.handoff_after = handoff_after_tokens(
@@ -365,7 +365,7 @@ class Generation:
         try:
             # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
             self.stream = self.router.lanes[self.lane.value].options(stream=True).generate.remote(self.lane_request)
-            return self._seen(await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining()))
+            return self._client_view(await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining()))
         except LaneSaturated:
             self.stream.cancel()
             raise
@@ -381,7 +381,7 @@ class Generation:
                 try:
                     if self._handoff_due:
                         self._continue_elsewhere()
-                    chunk = self._seen(await asyncio.wait_for(anext(self.stream), timeout=self._remaining()))
+                    chunk = self._client_view(await asyncio.wait_for(anext(self.stream), timeout=self._remaining()))
                 except StopAsyncIteration:
                     break
                 except BaseException as error:
@@ -405,7 +405,7 @@ class Generation:
             if not self.record.finished:
                 self.record.failed(CLIENT_CLOSED_STATUS, self._output_tokens())
 
-    def _seen(self, chunk: LaneChunk) -> LaneChunk:
+    def _client_view(self, chunk: LaneChunk) -> LaneChunk:
         """A chunk from the lane, as the client sees it: the continuation's counts go on from the hot part's, and
         the hot part's last chunk is not final when the cold lane is to go on."""
         if self._continued:
