@@ -33,7 +33,12 @@ from load_tests.serve_runner import http_host, llm_lanes_application
 ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
 # The running session's Router replica logs (the app is named llm-lanes in every serve config).
 ROUTER_REPLICA_LOGS = "/tmp/ray/session_latest/logs/serve/replica_*_Router_*.log"
+# The controller's log names the port it gave each replica. Read when a replica's own log is silent: with
+# RAY_SERVE_THROUGHPUT_OPTIMIZED=1 replicas buffer their log lines, so the announcement can come late or never.
+CONTROLLER_LOGS = "/tmp/ray/session_latest/logs/serve/controller_*.log"
 _HTTP_PORT_LINE = re.compile(r"Successfully started RequestProtocol\.HTTP server on port (\d+)")
+_ALLOCATED_PORT_LINE = re.compile(r"Allocated RequestProtocol\.HTTP port (\d+) to replica (\w+)")
+_REPLICA_LOG_ID = re.compile(r"replica_.*_Router_(\w+)\.log$")
 
 
 def http_ports_from_log(text: str) -> list[int]:
@@ -44,6 +49,13 @@ def http_ports_from_log(text: str) -> list[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def allocated_router_ports(controller_text: str, router_log_paths: list[str]) -> list[int]:
+    """Ports the controller allocated to the Router replicas whose log files exist (the latest per replica)."""
+    router_ids = [m.group(1) for path in router_log_paths if (m := _REPLICA_LOG_ID.search(path))]
+    latest = {replica: int(port) for port, replica in _ALLOCATED_PORT_LINE.findall(controller_text)}
+    return [latest[replica] for replica in router_ids if replica in latest]
 
 
 def router_replicas(serve_config: dict[str, Any]) -> int:
@@ -68,14 +80,18 @@ def _read_logs(patterns: list[str]) -> str:
 
 
 def wait_for_urls(log_paths: list[str | Path], expected: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
-                  poll_s: float = 0.5, session_logs: str | None = ROUTER_REPLICA_LOGS) -> list[str]:
+                  poll_s: float = 0.5, session_logs: str | None = ROUTER_REPLICA_LOGS,
+                  controller_logs: str | None = CONTROLLER_LOGS) -> list[str]:
     """URLs of the Router replicas' own HTTP servers once `expected` of them are in the logs (paths or glob patterns,
-    plus the running Ray session's Router logs); TimeoutError otherwise, saying what was found, so an app started
-    without the flag fails with a clear message."""
+    plus the running Ray session's Router logs, then the controller's allocations for those replicas);
+    TimeoutError otherwise, saying what was found, so an app started without the flag fails with a clear message."""
     patterns = [str(path) for path in log_paths] + ([session_logs] if session_logs else [])
     deadline = time.monotonic() + timeout_s
     while True:
         ports = http_ports_from_log(_read_logs(patterns))
+        if len(ports) < expected and session_logs and controller_logs:
+            allocated = allocated_router_ports(_read_logs([controller_logs]), sorted(glob.glob(session_logs)))
+            ports += [port for port in allocated if port not in ports]
         if len(ports) >= expected:
             return [f"http://{host}:{port}" for port in ports[:expected]]
         if time.monotonic() > deadline:

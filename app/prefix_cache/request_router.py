@@ -159,6 +159,13 @@ def rank_replicas(candidates: Sequence[Any], chosen_id: str, id_of: Callable[[An
 
 
 # --- the Serve request router ------------------------------------------------------------------------------------
+def _handle_routers_run_in_separate_loop() -> bool:
+    """Whether this process's deployment handles route on Serve's own router loop (the default) or on the caller's."""
+    from ray.serve._private.constants import RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+
+    return bool(RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP)
+
+
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(
         self,
@@ -220,12 +227,22 @@ class PrefixAffinityRouter(RequestRouter):
         if self._lookup_injected or self._lookup is not None or self._handle_creation is not None:
             return
         loop = asyncio.get_running_loop()
-        self._handle_creation = loop.run_in_executor(None, self._create_prefix_cache_handle)
+        if _handle_routers_run_in_separate_loop():
+            self._handle_creation = loop.run_in_executor(None, self._create_prefix_cache_handle)
+        else:
+            # Serve routes handle calls on the caller's own loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0, part of
+            # RAY_SERVE_THROUGHPUT_OPTIMIZED=1): the handle must be made on this loop, and making it waits for nothing.
+            self._handle_creation = loop.create_future()
+            try:
+                self._handle_creation.set_result(self._create_prefix_cache_handle())
+            except Exception as error:
+                self._handle_creation.set_exception(error)
         self._handle_creation.add_done_callback(self._on_handle_created)
 
     def _create_prefix_cache_handle(self) -> tuple[PrefixLookup, Callable[[str, list[BlockHash], int], None] | None,
                                                    Callable[[str | None, int], Awaitable[dict[str, Any]]]]:
-        # Runs in a worker thread: initialising a handle creates its router and waits on Serve's router loop.
+        # Runs in a worker thread when Serve runs handle routers on their own loop: initialising a handle there
+        # creates its router and waits on that loop.
         from ray.serve.handle import DeploymentHandle
 
         app_name = self._prefix_cache_app if self._prefix_cache_app is not None else self._deployment_id.app_name

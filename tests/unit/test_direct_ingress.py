@@ -54,6 +54,23 @@ def test_wait_for_urls_times_out_with_a_message_naming_the_flag(tmp_path):
     assert time.monotonic() - started < 5
 
 
+def test_silent_router_replicas_are_found_through_the_controllers_allocations(tmp_path):
+    # RAY_SERVE_THROUGHPUT_OPTIMIZED=1 buffers replica log lines: the Router logs exist but announce nothing yet.
+    serve = tmp_path / "serve"
+    serve.mkdir()
+    for replica in ("abc123", "def456"):
+        (serve / f"replica_llm-lanes_Router_{replica}.log").write_text("")
+    (serve / "replica_llm-lanes_HotLane_zzz999.log").write_text("")
+    (serve / "controller_1.log").write_text(
+        "Allocated RequestProtocol.HTTP port 30000 to replica abc123 on node n1\n"
+        "Allocated RequestProtocol.HTTP port 30005 to replica zzz999 on node n1\n"  # not a Router: ignored
+        "Allocated RequestProtocol.HTTP port 30001 to replica def456 on node n1\n"
+        "Allocated RequestProtocol.HTTP port 30003 to replica abc123 on node n1\n")  # restarted: the latest counts
+    urls = direct_ingress.wait_for_urls([], 2, timeout_s=1, session_logs=str(serve / "replica_*_Router_*.log"),
+                                        controller_logs=str(serve / "controller_*.log"))
+    assert urls == ["http://127.0.0.1:30003", "http://127.0.0.1:30001"]
+
+
 def test_cli_prints_comma_separated_urls(tmp_path, capsys):
     log = tmp_path / "serve.log"
     log.write_text(ANNOUNCE.format(port=30000) + "\n" + ANNOUNCE.format(port=30001))
