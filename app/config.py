@@ -70,6 +70,11 @@ class EngineSettings(StrictModel):
     # (each waits for the other every step), so they share a core at little cost, and the frontend, the Router and
     # the other lane on the remaining cores no longer delay every step. None: the engine core goes with the frontend.
     cpu_engine_core_bind: str | None = None
+    # Largest step (in tokens) that vLLM runs as a CUDA graph. vLLM's default is 2 x max_num_seqs (capped at 512),
+    # made for decode batches: a hot lane with max_num_seqs 32 ran every 112-288-token prefill without graphs,
+    # ~hundreds of kernel launches each. 512 took realtime TTFT p50 from ~42 to ~30 ms on the H200 (round 9,
+    # docs/benchmarks-gpu.md). Each captured size costs start-up time and a little GPU memory. GPU only.
+    cuda_graph_max_tokens: int | None = Field(None, ge=1, le=8192)
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -96,6 +101,14 @@ class EngineSettings(StrictModel):
                     parse_cpu_list(getattr(self, setting))
                 except ValueError as error:
                     raise ValueError(f"{setting}: {error}") from None
+        if self.cuda_graph_max_tokens is not None and "max_cudagraph_capture_size" in (
+                self.extra_engine_args.get("compilation_config") or {}):
+            raise ValueError(
+                "cuda_graph_max_tokens and extra_engine_args.compilation_config.max_cudagraph_capture_size both "
+                "set: keep cuda_graph_max_tokens and drop the other")
+        if self.cuda_graph_max_tokens is not None and self.enforce_eager:
+            raise ValueError("cuda_graph_max_tokens is set but enforce_eager: true captures no CUDA graphs: "
+                             "drop one of them")
         clash = set(self.extra_engine_args) & set(type(self).model_fields)
         if clash:
             raise ValueError(

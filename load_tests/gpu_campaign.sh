@@ -342,8 +342,13 @@ run_serving_phase() {
       done
       scenario_s=$(( $(date +%s) - t ))
       if [ "$TRACING" = 1 ]; then
+        # Only the measured part: the load generator's warm-up requests (one per client, one at a time, on a GPU
+        # without batch work yet) are traced too. They begin before the first scenario's measured_from_unix.
+        since=$("$PY" -c 'import json, sys; t = json.load(open(sys.argv[1]))["runs"][0].get("measured_from_unix")
+print(t) if t else sys.exit(1)' \
+          "$dir/${SCENARIOS%% *}/report.json" 2>/dev/null) || since=$t
         timeout 120 "$PY" -m load_tests.ttft_breakdown "$dir/spans.jsonl" --json "$dir/ttft-breakdown.json" \
-          >"$dir/ttft-breakdown.md" 2>&1
+          --since "$since" >"$dir/ttft-breakdown.md" 2>&1
         log "[$label] TTFT by hop (ms):"; cat "$dir/ttft-breakdown.md" | tee -a "$LOG" >&2
       fi
       nvidia-smi >"$dir/nvidia-smi-after.txt" 2>&1

@@ -33,6 +33,8 @@ class RunResult:
     # The generator's event-loop thread over the run (load_tests.host.usage): CPU time and run-queue wait, and
     # whether the kernel's autogroup scheduling was on.
     generator: dict[str, float | bool | None] | None = None
+    # Unix time the measured part began (after the warm-up requests): span files and server logs are cut here.
+    measured_from_unix: float | None = None
 
 
 def build_report(scenario: Scenario, runs: list[RunResult]) -> dict[str, Any]:
@@ -45,6 +47,7 @@ def build_report(scenario: Scenario, runs: list[RunResult]) -> dict[str, Any]:
                 "target": run.target,
                 "started_at": run.started_at,
                 "wall_s": run.wall_s,
+                "measured_from_unix": run.measured_from_unix,
                 "error": run.error,
                 "generator": run.generator,
                 "summary": summary,

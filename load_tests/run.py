@@ -62,6 +62,7 @@ def measure(scenario: Scenario, url: str, label: str, target: str, progress: boo
     before, started = host.sample(), time.perf_counter()
     try:
         result.records, result.wall_s = asyncio.run(run_scenario(scenario, url, on_done=done))
+        result.measured_from_unix = round(time.time() - result.wall_s, 3)
     finally:
         bar.close()
     result.generator = host.usage(before, host.sample(), time.perf_counter() - started)

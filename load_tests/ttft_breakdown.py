@@ -49,8 +49,9 @@ def _first(spans: Iterable[dict[str, Any]], name: str, parent: str | None = None
     return min(matching, key=lambda s: s["start_time_ns"]) if matching else None
 
 
-def request_segments(trace: list[dict[str, Any]]) -> tuple[str, dict[str, float]] | None:
-    """(request class, segment -> ms) for one trace, or None when it is not a complete streamed request."""
+def request_segments(trace: list[dict[str, Any]]) -> tuple[str, dict[str, float], int] | None:
+    """(request class, segment -> ms, start in ns) for one trace, or None when it is not a complete streamed
+    request."""
     request = _first(trace, SPAN_REQUEST)
     if request is None:
         return None
@@ -72,11 +73,14 @@ def request_segments(trace: list[dict[str, Any]]) -> tuple[str, dict[str, float]
         "hop_back": (prefill["end_time_ns"], queue_wait["end_time_ns"]),
         "ttft_at_router": (request["start_time_ns"], queue_wait["end_time_ns"]),
     }
-    return request_class, {name: (end - start) / NS_PER_MS for name, (start, end) in edges.items()}
+    return (request_class, {name: (end - start) / NS_PER_MS for name, (start, end) in edges.items()},
+            request["start_time_ns"])
 
 
-def ttft_breakdown(spans: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """request class -> {"requests": n, segment -> {"p50", "p90", "p99"} in ms}."""
+def ttft_breakdown(spans: Iterable[dict[str, Any]], since_ns: int | None = None) -> dict[str, dict[str, Any]]:
+    """request class -> {"requests": n, segment -> {"p50", "p90", "p99"} in ms}, over the requests that began at or
+    after `since_ns` (all when None): the span file also holds the requests sent before the measurement, e.g. the
+    GPU campaign's readiness probes on an idle GPU."""
     traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in spans:
         if span.get("trace_id") and span.get("start_time_ns") is not None and span.get("end_time_ns") is not None:
@@ -86,7 +90,9 @@ def ttft_breakdown(spans: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]
         found = request_segments(trace)
         if found is None:
             continue
-        request_class, segments = found
+        request_class, segments, started_ns = found
+        if since_ns is not None and started_ns < since_ns:
+            continue
         for name, ms in segments.items():
             samples[request_class][name].append(ms)
     return {
@@ -112,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m load_tests.ttft_breakdown", description=__doc__.splitlines()[0])
     parser.add_argument("spans", type=Path, help="the app's JSON-lines span file (tracing exporter 'file')")
     parser.add_argument("--json", type=Path, help="also write the breakdown here")
+    parser.add_argument("--since", type=float, default=None,
+                        help="only requests that began at or after this unix time (s), e.g. the measurement's start")
     args = parser.parse_args(argv)
     if not args.spans.is_file():
         print(f"no span file at {args.spans}", file=sys.stderr)
         return 2
-    breakdown = ttft_breakdown(read_span_lines(args.spans.read_text(errors="replace")))
+    since_ns = None if args.since is None else int(args.since * 1e9)
+    breakdown = ttft_breakdown(read_span_lines(args.spans.read_text(errors="replace")), since_ns)
     if args.json:
         args.json.write_text(json.dumps(breakdown, indent=1))
     print(format_breakdown(breakdown))

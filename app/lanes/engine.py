@@ -57,6 +57,9 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
         # multiprocessing executor would only see the one GPU Ray gave the replica actor.
         args["distributed_executor_backend"] = "ray"
     args.update(settings.extra_engine_args)
+    if settings.cuda_graph_max_tokens is not None and cfg.device == "gpu":
+        args["compilation_config"] = {**(args.get("compilation_config") or {}),
+                                      "max_cudagraph_capture_size": settings.cuda_graph_max_tokens}
     return args
 
 

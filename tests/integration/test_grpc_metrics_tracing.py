@@ -335,7 +335,7 @@ def test_one_trace_spans_router_and_lane(app_url, served_model):
     # load_tests.ttft_breakdown splits this request's time to first token into hops that add up to it.
     from load_tests.ttft_breakdown import SEGMENTS, request_segments
 
-    request_class, hops = request_segments(spans)
+    request_class, hops, _ = request_segments(spans)
     assert request_class == "interactive"
     parts = [hops[name] for name in SEGMENTS if name != "ttft_at_router"]
     assert all(part >= 0 for part in parts), hops

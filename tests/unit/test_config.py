@@ -245,3 +245,38 @@ def test_hot_batch_borrowing_needs_both_lanes():
     message = error_of(one_lane)
     assert "admission.hot_batch_borrow_max" in message and "set it to 0" in message
     assert "hot_batch_borrow_max" in error_of(cpu_args(**{"admission.hot_batch_borrow_max": -1}))
+
+
+def test_cuda_graph_max_tokens_reaches_vllms_compilation_config_on_gpu_only():
+    cfg = load_app_config(gpu_args(**{"hot_lane.engine.cuda_graph_max_tokens": 512,
+                                      "hot_lane.engine.extra_engine_args": {"compilation_config": {"mode": 3}}}))
+    # Merged with the rest of a compilation_config passed through extra_engine_args.
+    assert engine_args_dict(cfg, cfg.hot_lane.engine)["compilation_config"] == {"mode": 3,
+                                                                                "max_cudagraph_capture_size": 512}
+    assert "compilation_config" not in engine_args_dict(cfg, cfg.cold_lane.engine)
+    cpu = load_app_config(cpu_args(**{"hot_lane.engine.cuda_graph_max_tokens": 512}))
+    assert "compilation_config" not in engine_args_dict(cpu, cpu.hot_lane.engine)
+
+
+def test_cuda_graph_max_tokens_is_not_set_twice_or_with_eager():
+    message = error_of(gpu_args(**{"hot_lane.engine.cuda_graph_max_tokens": 512, "hot_lane.engine.extra_engine_args":
+                                   {"compilation_config": {"max_cudagraph_capture_size": 256}}}))
+    assert "hot_lane.engine" in message and "keep cuda_graph_max_tokens" in message
+    message = error_of(gpu_args(**{"hot_lane.engine.cuda_graph_max_tokens": 512,
+                                   "hot_lane.engine.enforce_eager": True}))
+    assert "enforce_eager" in message
+
+
+def test_the_measured_graphs512_config_and_gpu_single_give_the_hot_engine_the_same_arguments():
+    # Round 9 measured load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml; gpu-single.yaml states it with
+    # the first-class field. The two must mean the same engine.
+    def hot_args(path):
+        document = yaml.safe_load((REPO / path).read_text())
+        application = document["applications"][0]
+        cfg = load_app_config(application["args"])
+        return engine_args_dict(cfg, cfg.hot_lane.engine), application.get("runtime_env")
+
+    measured, measured_env = hot_args("load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml")
+    served, served_env = hot_args("serve_configs/gpu-single.yaml")
+    assert served == measured and served["compilation_config"] == {"max_cudagraph_capture_size": 512}
+    assert served_env == measured_env

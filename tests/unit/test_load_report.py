@@ -504,6 +504,7 @@ def test_cli_url_mode_writes_report(tmp_path):
                         poll_interval_s=0.1)
         app.process = server
         app.wait_ready()
+        before = time.time()
         code = main(["--scenario", str(scenario_path), "--url", f"http://127.0.0.1:{port}", "--out",
                      str(tmp_path / "out"), "--label", "fake", "--no-progress"])
     finally:
@@ -512,6 +513,8 @@ def test_cli_url_mode_writes_report(tmp_path):
     assert code == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["runs"][0]["label"] == "fake"
+    # When the measured part began (after the warm-up): what span files are cut at (load_tests.ttft_breakdown).
+    assert before <= report["runs"][0]["measured_from_unix"] <= time.time() - report["runs"][0]["wall_s"] + 0.5
     assert report["runs"][0]["summary"]["classes"]["realtime"]["errors"] == {"429": 2}
     assert (tmp_path / "out" / "throughput.png").exists()
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -345,3 +346,31 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("separate_loop", [True, False])
+async def test_prefix_cache_handle_is_made_where_serve_routes(monkeypatch, separate_loop):
+    # Serve's default routes handle calls on its own loop, and making a handle then waits on that loop: a worker
+    # thread does it. With RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 (gpu-single.yaml's runtime_env) Serve refuses a
+    # handle made off the caller's loop, so it is made on the loop, at once.
+    # Patched at the source the router reads at call time (a module attribute patch on `rr` would not reach a copy
+    # of the router module that an earlier test had Serve pickle by value).
+    monkeypatch.setattr("ray.serve._private.constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", separate_loop)
+    router = make_router(lookup_mode="remote")
+    made_on = []
+
+    async def lookup(hashes, block_size):
+        return []
+
+    def create():
+        made_on.append(threading.get_ident())
+        return lookup, None, None
+
+    monkeypatch.setattr(router, "_create_prefix_cache_handle", create)
+    router._ensure_prefix_lookup()
+    if not separate_loop:
+        assert made_on == [threading.get_ident()]
+    await asyncio.wait_for(asyncio.shield(router._handle_creation), 5)
+    await asyncio.sleep(0)  # the done callback
+    assert router._lookup is lookup
+    assert (made_on[0] == threading.get_ident()) is (not separate_loop)

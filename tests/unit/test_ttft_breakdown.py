@@ -38,14 +38,14 @@ def streamed_request(trace: str, request_class: str, t0: float = 0.0, lanes: int
 
 
 def test_one_request_splits_into_its_hops():
-    request_class, segments = tb.request_segments(streamed_request("t1", "realtime"))
-    assert request_class == "realtime"
+    request_class, segments, started_ns = tb.request_segments(streamed_request("t1", "realtime", t0=5))
+    assert request_class == "realtime" and started_ns == 5 * MS
     assert segments == pytest.approx({"router_work": 2.0, "hop_to_lane": 5.0, "lane_wait": 0.5,
                                       "engine_first_token": 29.5, "hop_back": 3.0, "ttft_at_router": 40.0})
 
 
 def test_a_handed_off_request_counts_its_first_lane_call():
-    _, segments = tb.request_segments(streamed_request("t1", "interactive", lanes=2))
+    _, segments, _ = tb.request_segments(streamed_request("t1", "interactive", lanes=2))
     assert segments["engine_first_token"] == pytest.approx(29.5) and segments["hop_to_lane"] == pytest.approx(5.0)
 
 
@@ -58,6 +58,17 @@ def test_breakdown_per_class_leaves_out_incomplete_and_unstreamed_requests():
     assert breakdown["realtime"]["hop_back"] == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
     table = tb.format_breakdown(breakdown)
     assert "| realtime | 2 | 2.0 / 2.0 | 5.0 / 5.0 | 0.5 / 0.5 | 29.5 / 29.5 | 3.0 / 3.0 | 40.0 / 40.0 |" in table
+
+
+def test_since_leaves_out_the_requests_sent_before_the_measurement(tmp_path, capsys):
+    # The GPU campaign's readiness probes (idle GPU) precede the scenario in the same span file.
+    spans = streamed_request("probe", "realtime", t0=0) + streamed_request("measured", "realtime", t0=2000)
+    assert tb.ttft_breakdown(spans)["realtime"]["requests"] == 2
+    assert tb.ttft_breakdown(spans, since_ns=2000 * MS)["realtime"]["requests"] == 1
+    path = tmp_path / "spans.jsonl"
+    path.write_text("\n".join(json.dumps(s) for s in spans) + "\n")
+    assert tb.main([str(path), "--since", "1.5"]) == 0  # unix seconds: 1.5 s = 1500 ms
+    assert "| realtime | 1 |" in capsys.readouterr().out
 
 
 def test_cli_reads_a_span_file_with_torn_lines(tmp_path, capsys):
