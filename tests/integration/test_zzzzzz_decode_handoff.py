@@ -1,16 +1,25 @@
 """Decode handoff on the real CPU engines (`admission.interactive_decode_handoff_tokens: 1`): an interactive answer's
 first token comes from the hot lane, the rest from the cold lane, and the client gets one answer -- the same text the
 hot lane alone gives for a greedy request, with every token counted once. Its own app, started after every other
-integration module."""
+integration module, with serve_configs/gpu-single.yaml's Ray Serve replica settings (gRPC between replicas, user code
+and request routers on each replica's main loop), the combination that file ships."""
 
 from __future__ import annotations
 
+import io
 import json
 
+import grpc
 import httpx
+import openai
 import pytest
+import yaml
 
-from tests.integration.conftest import lane_stats, local_test_document, served_app, write_serve_config
+from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
+from tests.integration.conftest import (GRPC_PORT, ROOT, lane_stats, local_test_document, served_app,
+                                        write_serve_config)
+from tests.integration.test_batch_api import batch_lines, wait_for_batch
 
 MAX_TOKENS = 24
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
@@ -22,6 +31,9 @@ def handoff_app(tmp_path_factory, tiny_model):
     document, args = local_test_document(tiny_model)
     args["admission"]["interactive_decode_handoff_tokens"] = 1
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
+    gpu_single = yaml.safe_load((ROOT / "serve_configs" / "gpu-single.yaml").read_text())
+    document["applications"][0]["runtime_env"] = gpu_single["applications"][0]["runtime_env"]
+    assert "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" in document["applications"][0]["runtime_env"]["env_vars"]
     config = write_serve_config(tmp_dir / "decode-handoff.yaml", document)
     with served_app(config, tmp_dir / "serve.log") as app:
         yield app
@@ -61,3 +73,28 @@ def test_a_streamed_interactive_answer_is_finished_by_the_cold_lane(handoff_app,
     assert collected.status_code == 200 and collected.headers["x-llm-lanes-degraded"] == "decode_on_cold"
     assert collected.json()["choices"][0]["message"]["content"] == streamed
     assert collected.json()["usage"] == whole.json()["usage"]
+
+
+def test_the_rest_of_the_app_works_with_gpu_singles_serve_settings(handoff_app, served_model):
+    # The Batch API (the Router's dispatcher calling the cold lane), gRPC ingress and the prefix-affinity routers'
+    # PrefixCache handles, with every handle routing on its replica's own loop and calling over gRPC.
+    client = openai.OpenAI(base_url=f"{handoff_app.url}/v1", api_key="unused", max_retries=0)
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(batch_lines(served_model, 6)).encode())),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_for_batch(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 6, batch
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == [f"req-{i}" for i in range(6)]
+
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+        reply = pb_grpc.LlmLanesStub(channel).Complete(
+            pb.CompletionRequest(model=served_model, prompt="tell me about lanes",
+                                 sampling=pb.SamplingParams(max_tokens=8, temperature=0.0)),
+            metadata=(("application", "llm-lanes"),), timeout=120)
+    assert reply.text and 0 < reply.usage.completion_tokens <= 8
+
+    # Serve refuses a handle made off the caller's loop in this mode; the routers make theirs on the loop.
+    assert "could not create the PrefixCache handle" not in handoff_app.log_path.read_text(errors="replace")
