@@ -100,6 +100,13 @@ def test_gpu_scenarios_have_issue_7_shape():
     assert mixed.count_empty_chunks and mixed.model == MODEL
     shared = load_scenario(REPO / "load_tests/scenarios/gpu_shared_prefix.yaml")
     assert shared.count_empty_chunks and any(s.shared_prefix for s in shared.streams)
+    # gpu_mixed_rt2 differs only in the realtime rate (enough realtime requests for a p99 that is not the maximum).
+    rt2 = load_scenario(REPO / "load_tests/scenarios/gpu_mixed_rt2.yaml")
+    assert {s.request_class: s for s in rt2.streams}["realtime"].arrival.rate == 2
+    assert (rt2.model_copy(update={"name": mixed.name, "description": mixed.description, "streams": mixed.streams})
+            == mixed)
+    assert [s.model_copy(update={"arrival": None}) for s in rt2.streams] == [
+        s.model_copy(update={"arrival": None}) for s in mixed.streams]
 
 
 # --------------------------------------------------------------------------------------------------------------------
