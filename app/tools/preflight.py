@@ -4,7 +4,8 @@
 
 Each line is PASS / WARN / FAIL / SKIP with the measured value: GPU architecture consistency, NVLink inside each TP
 group, host<->device bandwidth (timed pinned copies), CUDA >= 12.1, Triton matching the installed vLLM / torch,
-FlashAttention, driver version, and from the serve config: health-check period < 5 s and request timeout > 3 x P99.
+FlashAttention, driver version, and from the serve config: health-check period < 5 s, request timeout > 3 x P99, the
+MPS daemon behind CUDA_MPS_* settings, and CUDA graphs covering the hot lane's prefills.
 Without a GPU the GPU lines are SKIP with the reason and the rest is still checked. Exit code 1 only when a line is
 FAIL (with --strict also on WARN).
 
@@ -34,6 +35,11 @@ MIN_CUDA_VERSION = "12.1"
 MIN_HOST_DEVICE_GBPS = 64.0
 MAX_HEALTH_CHECK_PERIOD_S = 5.0
 TIMEOUT_OVER_P99 = 3.0
+# A short chat turn's prompt, in tokens: a hot lane whose CUDA graphs stop below it prefills every such prompt without
+# graphs (round 9 on the H200: realtime TTFT p50 42 ms without, 30 ms with graphs up to 512).
+HOT_PREFILL_GRAPH_TOKENS = 256
+# vLLM's default: CUDA graphs for steps up to 2 x max_num_seqs tokens, at most 512 (vllm/config/vllm.py).
+VLLM_DEFAULT_GRAPH_MAX_TOKENS = 512
 # FlashAttention 2 kernels need Ampere (compute capability 8.0) or newer.
 FLASH_ATTENTION_MIN_CAPABILITY = (8, 0)
 # One pinned copy of this size per timed iteration: large enough that launch overhead is noise.
@@ -85,6 +91,10 @@ class Readings:
     mps_settings: dict[str, list[str]] = field(default_factory=dict)
     mps_daemon: bool | None = None  # None: not looked for (no lane asks for MPS)
     mps_daemon_evidence: str = ""
+    # The largest step (tokens) the hot lane's engine runs as a CUDA graph (0: enforce_eager); None: a CPU config or
+    # no serve config. `hot_cuda_graph_source` says where the number comes from.
+    hot_cuda_graph_tokens: int | None = None
+    hot_cuda_graph_source: str = ""
 
     @property
     def has_gpu(self) -> bool:
@@ -285,6 +295,19 @@ def check_mps_daemon(r: Readings) -> Check:
     )
 
 
+def check_hot_lane_prefill_graphs(r: Readings, minimum: int = HOT_PREFILL_GRAPH_TOKENS) -> Check:
+    name = f"hot lane CUDA graphs cover a {minimum}-token prefill"
+    if r.hot_cuda_graph_tokens is None:
+        return Check(name, SKIP, "-", "a CPU config (no CUDA graphs)" if r.serve_config
+                     else "no serve config given (--serve-config)")
+    value = f"up to {r.hot_cuda_graph_tokens} tokens ({r.hot_cuda_graph_source})"
+    if r.hot_cuda_graph_tokens >= minimum:
+        return Check(name, PASS, value)
+    return Check(name, WARN, value,
+                 "the hot lane prefills short prompts without CUDA graphs (hundreds of kernel launches per step): set "
+                 "hot_lane.engine.cuda_graph_max_tokens: 512 (docs/benchmarks-gpu.md, round 9)")
+
+
 def run_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Check]:
     checks: list[Callable[[Readings], Check]] = [
         check_gpu_architecture,
@@ -297,6 +320,7 @@ def run_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Chec
         check_health_check_period,
         check_request_timeout,
         check_mps_daemon,
+        check_hot_lane_prefill_graphs,
     ]
     return [check(r) for check in checks]
 
@@ -482,6 +506,19 @@ def _read_mps_daemon(r: Readings) -> None:
     r.mps_daemon = False
 
 
+def hot_cuda_graph_tokens(engine) -> tuple[int, str]:
+    """(largest step in tokens vLLM runs as a CUDA graph, where that comes from) for one lane's EngineSettings."""
+    if engine.enforce_eager:
+        return 0, "enforce_eager"
+    if engine.cuda_graph_max_tokens is not None:
+        return engine.cuda_graph_max_tokens, "cuda_graph_max_tokens"
+    explicit = (engine.extra_engine_args.get("compilation_config") or {}).get("max_cudagraph_capture_size")
+    if explicit is not None:
+        return int(explicit), "extra_engine_args.compilation_config"
+    return (min(2 * engine.max_num_seqs, VLLM_DEFAULT_GRAPH_MAX_TOKENS, engine.max_num_batched_tokens),
+            f"vLLM's default, 2 x max_num_seqs {engine.max_num_seqs}")
+
+
 def _read_serve_config(r: Readings, path: str, app_name: str | None) -> None:
     from app.tools.kv_budget import read_serve_config
 
@@ -494,6 +531,8 @@ def _read_serve_config(r: Readings, path: str, app_name: str | None) -> None:
     for name, lane in lanes.items():
         if mps := sorted(variable for variable in lane.deployment.env_vars if variable.startswith("CUDA_MPS_")):
             r.mps_settings[name] = mps
+    if app.device == "gpu":
+        r.hot_cuda_graph_tokens, r.hot_cuda_graph_source = hot_cuda_graph_tokens(app.hot_lane.engine)
     timeout = (raw.get("http_options") or {}).get("request_timeout_s")
     if timeout is not None and r.request_timeout_s is None:
         r.request_timeout_s = float(timeout)

@@ -229,3 +229,32 @@ def test_gather_reads_mps_settings_and_one_lane_configs(tmp_path, monkeypatch):
     # The single-pool baseline has no cold lane: only the hot lane is read.
     baseline = preflight.gather_readings(serve_config=str(REPO / "serve_configs/baseline-gpu.yaml"), bandwidth=False)
     assert baseline.health_check_periods_s == {"hot_lane": 3.0} and baseline.mps_settings == {}
+
+
+# ---- CUDA graphs over the hot lane's prefills (round 9) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, tokens, status", [
+    ("gpu-single.yaml", 512, PASS),  # cuda_graph_max_tokens: 512
+    ("prod.yaml", 512, PASS),
+    ("gpu-lanes-tuned.yaml", 64, WARN),  # max_num_seqs 32: vLLM's default stops at 64 tokens
+    ("baseline-gpu.yaml", 512, PASS),  # max_num_seqs 256: the default reaches 512
+    ("local.yaml", None, SKIP),  # CPU engines run no CUDA graphs
+])
+def test_hot_lane_prefill_graphs_from_the_serve_configs(config, tokens, status):
+    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs" / config), bandwidth=False)
+    assert readings.hot_cuda_graph_tokens == tokens
+    check = preflight.check_hot_lane_prefill_graphs(readings)
+    assert check.status == status, check
+    if status == WARN:
+        assert "cuda_graph_max_tokens: 512" in check.detail and "2 x max_num_seqs 32" in check.value
+
+
+def test_hot_cuda_graph_tokens_reads_every_way_of_setting_it():
+    from app.config import EngineSettings
+
+    assert preflight.hot_cuda_graph_tokens(EngineSettings(enforce_eager=True)) == (0, "enforce_eager")
+    passed_through = EngineSettings(extra_engine_args={"compilation_config": {"max_cudagraph_capture_size": 128}})
+    assert preflight.hot_cuda_graph_tokens(passed_through) == (128, "extra_engine_args.compilation_config")
+    # The default never exceeds the step budget.
+    assert preflight.hot_cuda_graph_tokens(EngineSettings(max_num_seqs=64, max_num_batched_tokens=100))[0] == 100
