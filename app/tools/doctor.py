@@ -13,7 +13,8 @@ behind them and what to do, never raw dumps:
    max_num_seqs means a starved scheduler; idle replicas next to a loaded one mean routing imbalance; request
    errors / rejections; a batch backlog that the cold lane is not draining; open circuit breakers.
 3. Long tail: p99/p50 of TTFT and E2E per lane and class from the histograms, where the p99 time goes (admission
-   queue, engine queue, prefill, decode), the slowest traces when a span file is given, and how to profile (nsys).
+   queue, engine queue, prefill, decode), the slowest traces and each class's TTFT by hop (Router, Serve hops, engine)
+   when a span file is given, and how to profile (nsys).
 
 Inputs: GET /v1/admin/stats and GET /v1/models of the app, the Prometheus text of Ray's metrics export port
 (`ray_llm_lanes_*` and vLLM's `ray_vllm_*`), optionally the serve config (engine limits) and a JSON-lines span
@@ -983,6 +984,51 @@ def check_slowest_traces(inputs: DoctorInputs) -> list[Finding]:
                     evidence, action, data)]
 
 
+# TTFT by hop: the Router's own work plus the two Serve hops is "the request path"; WARN when it is at least this
+# share of a class's median TTFT (on the H200 it was ~7 of 42 ms before the Serve settings of round 9, ~4 of 28 after).
+PATH_SHARE_WARN = 0.5
+HOP_ACTIONS = {
+    "engine_first_token": "the engine's first step: check that the hot lane's CUDA graphs cover its prefills "
+                          "(preflight, hot_lane.engine.cuda_graph_max_tokens), the GPU share the cold lane leaves it "
+                          "(MPS cap) and the cold lane's chunk budget (docs/operators.md, \"One GPU for both lanes\")",
+    "router_work": "the Router's own work (tokenize, admit, route): long prompts are tokenized off the event loop; "
+                   "add Router replicas if its CPU is busy",
+    "hop_to_lane": "the Serve handle call to the lane: set gpu-single.yaml's runtime_env (gRPC between replicas, "
+                   "code on each replica's main loop) and give the Router replicas their own cores",
+    "hop_back": "the first chunk's way back to the Router: the same Serve settings as for hop_to_lane",
+    "lane_wait": "the hot replica's realtime gate / KV headroom: see the KV-pressure findings",
+}
+
+
+def check_ttft_hops(inputs: DoctorInputs) -> list[Finding]:
+    """Per class, where the median streamed TTFT goes (app.observability.ttft_hops), and what to change for the
+    largest part. Needs a trace file with every request traced (sample_ratio 1.0)."""
+    if inputs.spans is None:
+        return []
+    from app.observability.ttft_hops import SEGMENTS, ttft_breakdown
+
+    findings = []
+    for request_class, row in ttft_breakdown(inputs.spans).items():
+        ttft = row["ttft_at_router"]["p50"]
+        parts = {name: row[name]["p50"] for name in SEGMENTS if name != "ttft_at_router"}
+        largest = max(parts, key=parts.get)
+        path = parts["router_work"] + parts["hop_to_lane"] + parts["hop_back"]
+        evidence = (f"{row['requests']} streamed requests, TTFT p50 {ttft:.1f} ms / p99 "
+                    f"{row['ttft_at_router']['p99']:.1f} ms: " + ", ".join(f"{n} {v:.1f}" for n, v in parts.items())
+                    + " ms (p50)")
+        data = {"breakdown": row, "path_ms": path, "largest": largest}
+        if ttft > 0 and path >= PATH_SHARE_WARN * ttft:
+            hop = max(("router_work", "hop_to_lane", "hop_back"), key=parts.get)
+            findings.append(Finding(FLOW_LONG_TAIL, "TTFT by hop", request_class, WARN,
+                                    f"the request path is {path / ttft:.0%} of the median TTFT ({path:.1f} ms)",
+                                    evidence, HOP_ACTIONS[hop], data))
+        else:
+            findings.append(Finding(FLOW_LONG_TAIL, "TTFT by hop", request_class, OK,
+                                    f"{largest} is the largest part of the median TTFT ({parts[largest]:.1f} of "
+                                    f"{ttft:.1f} ms)", evidence, HOP_ACTIONS[largest], data))
+    return findings
+
+
 def profiling_guidance(serve_config: str | None) -> list[str]:
     """The guide's `nsys profile -t cuda,nvtx` step, spelled out for a Ray Serve app."""
     config = serve_config or "serve_configs/gpu-single.yaml"
@@ -1018,6 +1064,7 @@ CHECKS: tuple[Callable[[DoctorInputs], list[Finding]], ...] = (
     check_latency_tails,
     check_tail_breakdown,
     check_slowest_traces,
+    check_ttft_hops,
 )
 
 

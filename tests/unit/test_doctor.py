@@ -697,3 +697,31 @@ def test_window_mode_judges_only_what_happened_between_scrapes():
     finding = only(doctor.check_request_outcomes(inputs))
     # Cumulative: 100 errors of 1,200 (8 %, PROBLEM); in the window: 0 of 100.
     assert finding.severity == OK and "100 requests in the last 30 s" in finding.evidence
+
+
+# ---- TTFT by hop (app.observability.ttft_hops) ----------------------------------------------------------------------
+
+
+def test_ttft_hops_name_the_engine_when_it_is_most_of_the_ttft():
+    from tests.unit.test_ttft_breakdown import streamed_request
+
+    spans = streamed_request("a", "realtime") + streamed_request("b", "realtime", t0=1000)
+    finding = only(doctor.check_ttft_hops(inputs_with(spans=spans)))
+    assert (finding.check, finding.subject, finding.severity) == ("TTFT by hop", "realtime", OK)
+    assert "engine_first_token is the largest part of the median TTFT (29.5 of 40.0 ms)" == finding.summary
+    assert "2 streamed requests" in finding.evidence and "hop_to_lane 5.0" in finding.evidence
+    assert "cuda_graph_max_tokens" in finding.action
+    assert doctor.check_ttft_hops(inputs_with()) == []  # no trace file
+
+
+def test_ttft_hops_warn_when_the_request_path_is_most_of_it():
+    from tests.unit.test_ttft_breakdown import MS, streamed_request
+
+    spans = streamed_request("a", "interactive")
+    for span in spans:
+        if span["name"] == "prefill":
+            span["end_time_ns"] = 10 * MS  # the engine answers in 2.5 ms; the chunk takes 30 ms to reach the Router
+    finding = only(doctor.check_ttft_hops(inputs_with(spans=spans)))
+    assert finding.severity == WARN and finding.subject == "interactive"
+    assert finding.summary == "the request path is 92% of the median TTFT (37.0 ms)"
+    assert "same Serve settings" in finding.action and finding.data["largest"] == "hop_back"
