@@ -242,6 +242,12 @@ class AdmissionConfig(StrictModel):
     # lane then spends no steps on interactive decode, which is what it costs the batch work on a shared GPU; the
     # interactive time per output token becomes the cold lane's step time. 0 (the default): the hot lane serves it all.
     interactive_decode_handoff_tokens: int = Field(0, ge=0)
+    # This many hot-lane replicas are kept for realtime requests; interactive work goes to the others and reaches
+    # these only when none of the others can take it (app/prefix_cache/realtime_reserve.py). An engine step cannot
+    # be preempted, so a realtime prompt on a replica that prefills interactive prompts waits for their step. 0 (the
+    # default): every hot replica serves both classes. Needs more hot replicas than this, and prefix_cache.routing
+    # "affinity" (the lanes' own request router applies it).
+    realtime_reserved_hot_replicas: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
 
@@ -397,7 +403,24 @@ class AppConfig(StrictModel):
         if self.admission.interactive_decode_handoff_tokens and (self.cold_lane is None or self.hot_lane is None):
             raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane "
                              "to the cold lane, and this app has only one lane: set it to 0 or add the other lane")
+        self._check_realtime_reserve()
         return self
+
+    def _check_realtime_reserve(self) -> None:
+        reserved = self.admission.realtime_reserved_hot_replicas
+        if not reserved:
+            return
+        field = f"admission.realtime_reserved_hot_replicas={reserved}"
+        if self.prefix_cache.routing != "affinity":
+            raise ValueError(f"{field} is applied by the lanes' request router, which prefix_cache.routing="
+                             f"'{self.prefix_cache.routing}' turns off: set prefix_cache.routing: affinity, or set "
+                             "the reserve to 0")
+        deployment = self.hot_lane.deployment
+        replicas = deployment.autoscaling.min_replicas if deployment.autoscaling else deployment.num_replicas
+        where = "autoscaling.min_replicas" if deployment.autoscaling else "num_replicas"
+        if replicas <= reserved:
+            raise ValueError(f"{field} would leave no hot replica for interactive requests: hot_lane.deployment."
+                             f"{where} is {replicas}; raise it above {reserved}, or lower the reserve")
 
     def lane(self, name: str) -> LaneConfig:
         lane = {"hot": self.hot_lane, "cold": self.cold_lane}[name]

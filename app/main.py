@@ -51,6 +51,8 @@ def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str,
             "mirror_sync_interval_s": settings.mirror_sync_interval_s,
             "mirror_max_staleness_s": settings.mirror_max_staleness_s,
             "max_index_entries": settings.max_entries,
+            # Only the hot lane keeps replicas for realtime requests (the cold lane serves none).
+            "realtime_reserved_replicas": cfg.admission.realtime_reserved_hot_replicas if lane is cfg.hot_lane else 0,
         },
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
     }

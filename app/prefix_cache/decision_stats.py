@@ -36,6 +36,9 @@ class DecisionStats:
     reasons: dict[str, int] = field(default_factory=dict)
     # Prefix-index lookups by outcome: ok / unavailable (no handle yet) / timeout / error.
     lookup_outcomes: dict[str, int] = field(default_factory=dict)
+    # With a realtime reserve (realtime_reserve.py): requests routed within their own set ("preferred") or, with
+    # none of it able to take them, to the other set ("fallback"). Fallbacks mean the reserve is too small or down.
+    reserve_routing: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, decision: RoutingDecision, elapsed_s: float) -> None:
@@ -44,6 +47,10 @@ class DecisionStats:
             self.bucket_counts[bisect.bisect_left(DECISION_TIME_BUCKETS_MS, elapsed_ms)] += 1
             self.recent_ms.append(elapsed_ms)
             self.reasons[decision.reason.value] = self.reasons.get(decision.reason.value, 0) + 1
+
+    def count_reserve_routing(self, outcome: str) -> None:
+        with self._lock:
+            self.reserve_routing[outcome] = self.reserve_routing.get(outcome, 0) + 1
 
     def percentile_ms(self, q: float) -> float | None:
         with self._lock:
@@ -57,12 +64,14 @@ class DecisionStats:
             buckets = dict(zip([*map(str, DECISION_TIME_BUCKETS_MS), "+Inf"], self.bucket_counts))
             reasons = dict(self.reasons)
             lookups = dict(self.lookup_outcomes)
+            reserve = dict(self.reserve_routing)
         return {
             "p50_ms": self.percentile_ms(0.5),
             "p99_ms": self.percentile_ms(0.99),
             "buckets_ms": buckets,
             "reasons": reasons,
             "lookups": lookups,
+            "reserve_routing": reserve,
         }
 
 

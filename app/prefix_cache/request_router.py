@@ -60,6 +60,7 @@ from app.prefix_cache.policy import (
     RoutingDecision,
     decide,
 )
+from app.prefix_cache.realtime_reserve import split_by_reserve
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ LOOKUP_MODES = ("local_mirror", "remote")
 KV_USAGE_STAT = "kv_usage"  # key of the replica's record_routing_stats() dict
 DEFAULT_LOOKUP_TIMEOUT_S = 0.005
 PROMPT_TOKEN_IDS_FIELD = "prompt_token_ids"
+REQUEST_CLASS_FIELD = "request_class"
 # Routed-request hashes kept for the approximate feed until Serve confirms the routing.
 MAX_PENDING_ROUTED = 4096
 
@@ -77,15 +79,25 @@ PrefixLookup = Callable[[list[BlockHash], int], Awaitable[Sequence[tuple[str, in
 
 
 # --- pure helpers ------------------------------------------------------------------------------------------------
+def extract_request_field(args: Sequence[Any], kwargs: Mapping[Any, Any], name: str) -> Any:
+    """Field `name` of the first argument (object attribute or dict key) that has it, positional first; else None."""
+    for value in list(args) + list(kwargs.values()):
+        found = value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
+        if found is not None:
+            return found
+    return None
+
+
 def extract_prompt_token_ids(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> list[int] | None:
     """`prompt_token_ids` of the first argument (object attribute or dict key) that has it, positional first."""
-    for value in list(args) + list(kwargs.values()):
-        token_ids = value.get(PROMPT_TOKEN_IDS_FIELD) if isinstance(value, Mapping) else getattr(
-            value, PROMPT_TOKEN_IDS_FIELD, None
-        )
-        if token_ids is not None:
-            return list(token_ids)
-    return None
+    token_ids = extract_request_field(args, kwargs, PROMPT_TOKEN_IDS_FIELD)
+    return list(token_ids) if token_ids is not None else None
+
+
+def extract_request_class(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> str | None:
+    """The request's class (a LaneRequest's `request_class`: "realtime", "interactive", "batch"), or None."""
+    request_class = extract_request_field(args, kwargs, REQUEST_CLASS_FIELD)
+    return str(getattr(request_class, "value", request_class)) if request_class is not None else None
 
 
 def count_outcome(outcomes: dict[str, int] | None, outcome: str) -> None:
@@ -151,11 +163,13 @@ async def sync_mirror_forever(mirror: IndexMirror, pull: Callable[[str | None, i
         await asyncio.sleep(interval_s)
 
 
-def rank_replicas(candidates: Sequence[Any], chosen_id: str, id_of: Callable[[Any], str]) -> list[list[Any]]:
-    """Serve's ranks: the chosen replica first; if it rejects (queue full), the rest (Serve takes the shortest)."""
+def rank_replicas(candidates: Sequence[Any], chosen_id: str, id_of: Callable[[Any], str],
+                  fallback: Sequence[Any] = ()) -> list[list[Any]]:
+    """Serve's ranks: the chosen replica first; if it rejects (queue full), the rest (Serve takes the shortest);
+    then `fallback` (the other side of a realtime reserve), only if all of those reject too."""
     chosen = [c for c in candidates if id_of(c) == chosen_id]
     rest = [c for c in candidates if id_of(c) != chosen_id]
-    return [rank for rank in (chosen, rest) if rank]
+    return [rank for rank in (chosen, rest, list(fallback)) if rank]
 
 
 # --- the Serve request router ------------------------------------------------------------------------------------
@@ -183,6 +197,7 @@ class PrefixAffinityRouter(RequestRouter):
         mirror_sync_interval_s: float = 0.1,
         mirror_max_staleness_s: float = 2.0,
         max_index_entries: int = 200_000,
+        realtime_reserved_replicas: int = 0,
     ) -> None:
         """Serve calls this with `request_router_kwargs`. `routed_prefix_method`, when set, turns on the
         approximate feed: after Serve confirms where a long prompt went, call
@@ -191,6 +206,9 @@ class PrefixAffinityRouter(RequestRouter):
             raise ValueError("block_size must be >= 1 and lookup_timeout_s > 0")
         if lookup_mode not in LOOKUP_MODES:
             raise ValueError(f"lookup_mode={lookup_mode!r}: use one of {LOOKUP_MODES}")
+        if realtime_reserved_replicas < 0:
+            raise ValueError(f"realtime_reserved_replicas={realtime_reserved_replicas} must be >= 0")
+        self.realtime_reserved_replicas = realtime_reserved_replicas
         self.block_size = block_size
         self.lookup_mode = lookup_mode
         self.mirror_sync_interval_s = mirror_sync_interval_s
@@ -342,12 +360,34 @@ class PrefixAffinityRouter(RequestRouter):
                 )
         else:
             loads = await self._candidate_loads(candidate_replicas)
+        loads, fallback = self._apply_reserve(candidate_replicas, loads, pending_request)
         decision = decide(len(token_ids), [load for _, load in loads], matched, self.policy, self._rng)
         self.record_decision(decision, time.perf_counter() - started)
         if hashes and pending_request is not None and (self._routed_prefix_method or self._report_routed):
             self._remember_routed(pending_request.metadata.internal_request_id, hashes)
         replicas = [replica for replica, _ in loads]
-        return rank_replicas(replicas, decision.replica_id, lambda r: r.replica_id.to_full_id_str())
+        return rank_replicas(replicas, decision.replica_id, lambda r: r.replica_id.to_full_id_str(), fallback)
+
+    def _apply_reserve(
+        self, candidates: Sequence[RunningReplica], loads: list[tuple[RunningReplica, ReplicaLoad]],
+        pending_request: PendingRequest | None,
+    ) -> tuple[list[tuple[RunningReplica, ReplicaLoad]], list[RunningReplica]]:
+        """(loads to choose among, replicas to fall back on) under the realtime reserve (realtime_reserve.py).
+        The reserve is drawn from every live candidate, not only those with room, so a busy reserved replica stays
+        reserved."""
+        if not self.realtime_reserved_replicas:
+            return loads, []
+        request_class = (extract_request_class(pending_request.args, pending_request.kwargs)
+                         if pending_request is not None else None)
+        preferred, _ = split_by_reserve([r.replica_id.to_full_id_str() for r in candidates], request_class,
+                                        self.realtime_reserved_replicas)
+        own = [(replica, load) for replica, load in loads if load.replica_id in preferred]
+        other = [replica for replica, load in loads if load.replica_id not in preferred]
+        if own:
+            self.stats.count_reserve_routing("preferred")
+            return own, other
+        self.stats.count_reserve_routing("fallback")
+        return loads, []
 
     def record_decision(self, decision: RoutingDecision, elapsed_s: float) -> None:
         self.stats.observe(decision, elapsed_s)

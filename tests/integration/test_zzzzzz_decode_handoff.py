@@ -2,12 +2,15 @@
 first token comes from the hot lane, the rest from the cold lane, and the client gets one answer -- the same text the
 hot lane alone gives for a greedy request, with every token counted once. Its own app, started after every other
 integration module, with serve_configs/gpu-single.yaml's Ray Serve replica settings (gRPC between replicas, user code
-and request routers on each replica's main loop), the combination that file ships."""
+and request routers on each replica's main loop), the combination that file ships. The hot lane has two replicas,
+one kept for realtime requests (admission.realtime_reserved_hot_replicas: 1), as
+load_tests/configs/gpu-single-rt-reserve.yaml has on the H200."""
 
 from __future__ import annotations
 
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -17,11 +20,12 @@ import yaml
 
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
-from tests.integration.conftest import (GRPC_PORT, ROOT, lane_stats, local_test_document, served_app,
-                                        write_serve_config)
+from tests.integration.conftest import GRPC_PORT, ROOT, lane_stats, local_test_document, write_serve_config
 from tests.integration.test_batch_api import batch_lines, wait_for_batch
+from tests.integration.test_zzz_prefix_affinity_and_scaling import lanes, serve_with_hot_replicas
 
 MAX_TOKENS = 24
+HOT_REPLICAS = 2
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
@@ -31,12 +35,13 @@ def handoff_app(tmp_path_factory, tiny_model):
     document, args = local_test_document(tiny_model)
     args["admission"]["interactive_decode_handoff_tokens"] = 1
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
+    args["hot_lane"]["deployment"]["num_replicas"] = HOT_REPLICAS
+    args["admission"]["realtime_reserved_hot_replicas"] = 1
     gpu_single = yaml.safe_load((ROOT / "serve_configs" / "gpu-single.yaml").read_text())
     document["applications"][0]["runtime_env"] = gpu_single["applications"][0]["runtime_env"]
     assert "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" in document["applications"][0]["runtime_env"]["env_vars"]
     config = write_serve_config(tmp_dir / "decode-handoff.yaml", document)
-    with served_app(config, tmp_dir / "serve.log") as app:
-        yield app
+    yield from serve_with_hot_replicas(config, tmp_dir / "serve.log", HOT_REPLICAS)
 
 
 def chat(url: str, served_model: str, **fields) -> httpx.Response:
@@ -72,7 +77,11 @@ def test_a_streamed_interactive_answer_is_finished_by_the_cold_lane(handoff_app,
     collected = chat(url, served_model)  # not streamed: both parts joined into one message
     assert collected.status_code == 200 and collected.headers["x-llm-lanes-degraded"] == "decode_on_cold"
     assert collected.json()["choices"][0]["message"]["content"] == streamed
-    assert collected.json()["usage"] == whole.json()["usage"]
+    # Token counts alike; cached prompt tokens may not be: realtime runs on its own hot replica (the reserve), whose
+    # prefix cache has not seen this prompt, while the interactive ones share the other.
+    def counts(usage: dict) -> dict:
+        return {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
+    assert counts(collected.json()["usage"]) == counts(whole.json()["usage"])
 
 
 def test_the_rest_of_the_app_works_with_gpu_singles_serve_settings(handoff_app, served_model):
@@ -98,3 +107,26 @@ def test_the_rest_of_the_app_works_with_gpu_singles_serve_settings(handoff_app, 
 
     # Serve refuses a handle made off the caller's loop in this mode; the routers make theirs on the loop.
     assert "could not create the PrefixCache handle" not in handoff_app.log_path.read_text(errors="replace")
+
+
+def test_realtime_requests_keep_a_hot_replica_of_their_own(handoff_app, served_model):
+    url = handoff_app.url
+    hot_replicas = sorted(r["replica_id"] for r in lanes(url)["hot"])
+    assert len(hot_replicas) == HOT_REPLICAS
+
+    def served_by(service_tier: str) -> tuple[str, str]:
+        response = chat(url, served_model, service_tier=service_tier, max_tokens=2)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-llm-lanes-lane"] == "hot"
+        return service_tier, response.headers["x-llm-lanes-replica"]
+
+    with ThreadPoolExecutor(6) as pool:  # both classes at once, from every Router replica's point of view
+        served = list(pool.map(served_by, ["priority", "default"] * 6))
+    realtime = {replica for tier, replica in served if tier == "priority"}
+    interactive = {replica for tier, replica in served if tier == "default"}
+    # Every Router agrees on the reserved replica: the first by id takes all realtime requests and no interactive
+    # ones (the other replica never refused one, so none had to fall back).
+    assert realtime == {hot_replicas[0]}, served
+    assert interactive == {hot_replicas[1]}, served
+    routing = httpx.get(f"{url}/v1/admin/stats", timeout=10).json()["router"]["replica_routing"]["HotLane"]
+    assert routing["reserve_routing"].get("preferred", 0) >= 12 and not routing["reserve_routing"].get("fallback")
