@@ -267,16 +267,35 @@ def test_cuda_graph_max_tokens_is_not_set_twice_or_with_eager():
     assert "enforce_eager" in message
 
 
+def _app_of(path: str) -> tuple[dict, dict | None]:
+    application = yaml.safe_load((REPO / path).read_text())["applications"][0]
+    return application["args"], application.get("runtime_env")
+
+
 def test_the_measured_graphs512_config_and_gpu_single_give_the_hot_engine_the_same_arguments():
-    # Round 9 measured load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml; gpu-single.yaml states it with
-    # the first-class field. The two must mean the same engine.
+    # Round 9 measured load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml (graphs through extra_engine_args);
+    # gpu-single.yaml states them with the first-class field. Apart from the KV sizing that round 10 changed (two hot
+    # replicas of 3 GiB instead of one of 10), the two must mean the same hot engine.
     def hot_args(path):
-        document = yaml.safe_load((REPO / path).read_text())
-        application = document["applications"][0]
-        cfg = load_app_config(application["args"])
-        return engine_args_dict(cfg, cfg.hot_lane.engine), application.get("runtime_env")
+        args, runtime_env = _app_of(path)
+        cfg = load_app_config(args)
+        engine = engine_args_dict(cfg, cfg.hot_lane.engine)
+        return {k: v for k, v in engine.items() if k not in ("kv_cache_memory_bytes", "gpu_memory_utilization")}, \
+            runtime_env
 
     measured, measured_env = hot_args("load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml")
     served, served_env = hot_args("serve_configs/gpu-single.yaml")
     assert served == measured and served["compilation_config"] == {"max_cudagraph_capture_size": 512}
     assert served_env == measured_env
+
+
+def test_gpu_single_is_the_config_round_10_measured():
+    # docs/benchmarks-gpu.md round 10 measured load_tests/configs/gpu-single-rt-reserve.yaml; gpu-single.yaml ships it.
+    assert _app_of("serve_configs/gpu-single.yaml") == _app_of("load_tests/configs/gpu-single-rt-reserve.yaml")
+    args, _ = _app_of("serve_configs/gpu-single.yaml")
+    cfg = load_app_config(args)
+    assert cfg.admission.realtime_reserved_hot_replicas == 1 and cfg.hot_lane.deployment.num_replicas == 2
+    # The GPU's fractions add up to one GPU: two hot replicas and the cold one.
+    assert 2 * cfg.hot_lane.deployment.num_gpus + cfg.cold_lane.deployment.num_gpus == 1.0
+
+
