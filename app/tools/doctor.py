@@ -990,7 +990,9 @@ PATH_SHARE_WARN = 0.5
 HOP_ACTIONS = {
     "engine_first_token": "the engine's first step: check that the hot lane's CUDA graphs cover its prefills "
                           "(preflight, hot_lane.engine.cuda_graph_max_tokens), the GPU share the cold lane leaves it "
-                          "(MPS cap) and the cold lane's chunk budget (docs/operators.md, \"One GPU for both lanes\")",
+                          "(MPS cap) and the cold lane's chunk budget; for realtime, a hot replica of its own "
+                          "(admission.realtime_reserved_hot_replicas) so it never waits for an interactive prefill "
+                          "(docs/operators.md, \"One GPU for both lanes\")",
     "router_work": "the Router's own work (tokenize, admit, route): long prompts are tokenized off the event loop; "
                    "add Router replicas if its CPU is busy",
     "hop_to_lane": "the Serve handle call to the lane: set gpu-single.yaml's runtime_env (gRPC between replicas, "
