@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from app.config import AppConfig, load_app_config
+from app.lanes.engine_reaper import start_engine_reaper
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
 from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
 from app.prefix_cache.replica_feed import ReplicaPrefixFeed
@@ -130,6 +131,9 @@ class LaneReplica:
         self.engine = (engine_factory or vllm_engine_factory)(
             self.cfg, self.lane, self.replica_id, kv_events_config=self.prefix_feed.engine_kv_events_config())
         await self.engine.start()
+        # vLLM's engine processes outlive a SIGKILLed replica; a watcher kills them then (engine_reaper.py). Only for
+        # the real engine: an injected one (tests) runs in this process.
+        self._engine_reaper = start_engine_reaper() if engine_factory is None else None
         from app.observability.metrics import LlmLanesMetrics
         from app.observability.tracing import setup_tracing
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from app.lanes.engine_reaper import descendants, kill_all, process_table
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
@@ -81,34 +84,25 @@ def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
     return write_serve_config(tmp_dir / "local-test.yaml", document)
 
 
-def kill_orphaned_engine_processes() -> list[int]:
-    """SIGKILL vLLM engine processes (`VLLM::EngineCore`, `VLLM::Worker`...) left without their lane replica, and
-    their children. `ray stop --force` SIGKILLs the replicas; vLLM's processes get no signal and live on (~1.4 GB per
-    engine on this CPU, measured 2026-12-04: a second test run on one machine then ran out of memory). Only orphans
-    (parent pid 1) and their descendants: a running app's engines have their replica as parent."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        parents[int(entry)], names[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1]), name
-    doomed = {pid for pid, name in names.items() if name.startswith("VLLM::") and parents[pid] == 1}
-    grew = True
-    while grew:
-        children = {pid for pid, parent in parents.items() if parent in doomed} - doomed
-        doomed |= children
-        grew = bool(children)
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return sorted(doomed)
+def orphaned_engine_processes() -> set[int]:
+    """vLLM engine processes (`VLLM::EngineCore`, `VLLM::Worker`...) left without their lane replica (parent pid 1),
+    and everything under them. A running app's engines have their replica as parent."""
+    procs = process_table()
+    orphans = [info.pid for info in procs.values() if info.name.startswith("VLLM::") and info.parent == 1]
+    return set(orphans) | descendants(procs, orphans)
+
+
+def kill_orphaned_engine_processes(grace_s: float = 10) -> list[int]:
+    """After `ray stop --force` (which SIGKILLs the replicas): give each replica's engine reaper
+    (app/lanes/engine_reaper.py) `grace_s` to kill its engine, then SIGKILL whatever is left, with a warning. Before
+    the reaper, every app stop left both lanes' engines running (~1.4 GB per engine on this CPU, measured
+    2026-12-04: a second test run on one machine then ran out of memory); this stays as the suite's safety net."""
+    wait_until(lambda: not orphaned_engine_processes(), timeout_s=grace_s)
+    left = sorted(orphaned_engine_processes())
+    if left:
+        warnings.warn(f"{len(left)} vLLM engine processes outlived their replicas by {grace_s} s: killed {left}")
+        kill_all(left)
+    return left
 
 
 class AppProcess:

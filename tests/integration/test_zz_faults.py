@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.integration.conftest import kill_the_only_replica, router_stats, wait_until
+from tests.integration.conftest import kill_the_only_replica, orphaned_engine_processes, router_stats, wait_until
 from tests.integration.test_batch_api import batch_lines, wait_for_batch
 
 
@@ -39,6 +39,9 @@ def test_killing_the_cold_replica_mid_batch_loses_nothing(app_url, openai_client
     assert wait_until(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 10,
                       timeout_s=120)
     kill_the_only_replica("ColdLane")
+    # Its vLLM engine processes go with it (app/lanes/engine_reaper.py): they would hold the memory its replacement
+    # needs.
+    assert wait_until(lambda: not orphaned_engine_processes(), timeout_s=30), orphaned_engine_processes()
     # Whether the cold lane's breaker opens depends on whether Serve surfaces the death to in-flight calls (seen both
     # ways on 2026-12-02); that failures open it is tested on the Router's real path in
     # tests/unit/test_router_breaker_wiring.py. What must hold either way is below.
