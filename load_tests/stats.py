@@ -7,21 +7,12 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from app.observability.percentile import percentile  # noqa: F401  (load_tests' callers import it from here)
 from load_tests.client import RequestRecord
 from load_tests.scenario import CLASS_ORDER, ClassSLO
 
 PERCENTILES = (50, 90, 99)
 ABSENT_HEADER = "(absent)"
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def distribution_ms(values_s: Iterable[float]) -> dict[str, float | None]:

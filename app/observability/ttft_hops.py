@@ -23,11 +23,11 @@ reports the same split as a finding, with what to change for the largest part.
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from app.observability.percentile import percentile
 from app.observability.tracing import (
     SPAN_ENGINE_QUEUE,
     SPAN_LANE_GENERATE,
@@ -94,7 +94,7 @@ def ttft_breakdown(spans: Iterable[dict[str, Any]], since_ns: int | None = None)
             samples[request_class][name].append(ms)
     return {
         request_class: {"requests": len(by_segment["ttft_at_router"]),
-                        **{name: {q: round(_percentile(by_segment[name], p), 2)
+                        **{name: {q: round(percentile(by_segment[name], p), 2)
                                   for q, p in (("p50", 50), ("p90", 90), ("p99", 99))} for name in SEGMENTS}}
         for request_class, by_segment in sorted(samples.items())
     }
@@ -109,10 +109,3 @@ def format_breakdown(breakdown: Mapping[str, Mapping[str, Any]]) -> str:
         cells = " | ".join(f"{row[name]['p50']:.1f} / {row[name]['p99']:.1f}" for name in SEGMENTS)
         lines.append(f"| {request_class} | {row['requests']} | {cells} |")
     return "\n".join(lines)
-
-
-def _percentile(values: list[float], q: int) -> float:
-    """Linear interpolation between closest ranks (numpy's default, as load_tests.stats.percentile)."""
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
