@@ -310,6 +310,9 @@ class DoctorInputs:
     breakers: dict[str, str] = field(default_factory=dict)  # lane -> closed | open | half_open
     admission_queued: dict[str, float] = field(default_factory=dict)  # request class -> queued at the Router
     batch_window: float | None = None  # the dispatcher's in-flight window per cold replica (adapts, 16-32 by default)
+    # The realtime reserve's routings at the Router replica that answered (admission.realtime_reserved_hot_replicas):
+    # {"preferred": n, "fallback": n}; empty without a reserve.
+    reserve_routing: dict[str, float] = field(default_factory=dict)
     lanes_present: tuple[str, ...] = ("hot", "cold")
     spans: list[dict[str, Any]] | None = None  # None: no trace file
     slowest_traces: int = DEFAULT_SLOWEST_TRACES
@@ -819,6 +822,27 @@ def check_breakers(inputs: DoctorInputs) -> list[Finding]:
 # ==== flow 3: long tail ============================================================================================
 
 
+def check_realtime_reserve(inputs: DoctorInputs) -> list[Finding]:
+    """With hot replicas kept for realtime (admission.realtime_reserved_hot_replicas): did requests stay on their own
+    side? A crossing means one side had no replica that could take a request: full, or down."""
+    preferred = inputs.reserve_routing.get("preferred", 0)
+    fallback = inputs.reserve_routing.get("fallback", 0)
+    total = preferred + fallback
+    if not total:
+        return []
+    numbers = {"preferred": preferred, "fallback": fallback}
+    if fallback:
+        return [Finding(
+            FLOW_LONG_TAIL, "realtime reserve", "hot", WARN,
+            f"{_n(fallback)} of {_n(total)} hot-lane routings crossed the realtime reserve",
+            f"preferred {_n(preferred)}, fallback {_n(fallback)} (one Router replica's count since it started)",
+            "one side of the hot lane had no replica that could take a request: a reserved or an interactive replica "
+            "is down (see the replica findings) or full (max_ongoing_requests); raise hot_lane.deployment."
+            "num_replicas, or admission.realtime_reserved_hot_replicas for realtime load", numbers)]
+    return [Finding(FLOW_LONG_TAIL, "realtime reserve", "hot", OK, "realtime reserve held",
+                    f"{_n(total)} hot-lane routings, none crossed the reserve", "", numbers)]
+
+
 def check_latency_tails(inputs: DoctorInputs) -> list[Finding]:
     """p99/p50 of TTFT and E2E per lane and class, and realtime TTFT p99 against the guide's 450 ms goal."""
     if inputs.metrics is None or not inputs.metrics.has(M_TTFT + "_bucket"):
@@ -1066,6 +1090,7 @@ CHECKS: tuple[Callable[[DoctorInputs], list[Finding]], ...] = (
     check_latency_tails,
     check_tail_breakdown,
     check_slowest_traces,
+    check_realtime_reserve,
     check_ttft_hops,
 )
 
@@ -1110,6 +1135,7 @@ class ParsedStats:
     batch_window: float | None
     lanes_present: tuple[str, ...]
     notes: list[str]
+    reserve_routing: dict[str, float] = field(default_factory=dict)
 
 
 def _counts(value: Any) -> dict[str, float]:
@@ -1175,8 +1201,11 @@ def parse_stats(document: Mapping[str, Any]) -> ParsedStats:
         backlog = next(
             (backlog[k] for k in ("lines", "pending_lines", "pending") if _number(backlog.get(k)) is not None), None
         )
+    hot_routing = (router.get("replica_routing") or {}).get("HotLane") if isinstance(
+        router.get("replica_routing"), Mapping) else None
+    reserve = _counts(hot_routing.get("reserve_routing")) if isinstance(hot_routing, Mapping) else {}
     return ParsedStats(replicas, breakers, _counts(router.get("queued_by_class")), _number(backlog),
-                       _number(router.get("batch_window")), tuple(lanes), notes)
+                       _number(router.get("batch_window")), tuple(lanes), notes, reserve)
 
 
 def merge_metric_replicas(replicas: list[ReplicaStats], metrics: MetricsSnapshot) -> list[ReplicaStats]:
@@ -1329,7 +1358,7 @@ def gather_inputs(
         replicas = parsed.replicas
         inputs.breakers, inputs.admission_queued = parsed.breakers, parsed.admission_queued
         inputs.batch_backlog_lines, inputs.lanes_present = parsed.batch_backlog_lines, parsed.lanes_present
-        inputs.batch_window = parsed.batch_window
+        inputs.batch_window, inputs.reserve_routing = parsed.batch_window, parsed.reserve_routing
         inputs.notes.extend(parsed.notes)
 
         try:

@@ -202,6 +202,22 @@ def test_parse_stats_reads_the_router_section():
     assert parsed.admission_queued == {"realtime": 0, "interactive": 7, "batch": 0}
     assert parsed.batch_window == 24
     assert parsed.replicas[0].gate_waiting_by_class == {"realtime": 3, "interactive": 0, "batch": 0}
+    assert parsed.reserve_routing == {}  # no reserve
+
+
+def test_the_realtime_reserve_finding():
+    document = {**STATS_DOCUMENT, "router": {**STATS_DOCUMENT["router"], "replica_routing": {
+        "HotLane": {"reasons": {"short_prompt": 12}, "reserve_routing": {"preferred": 10, "fallback": 2}},
+        "ColdLane": {"reasons": {"no_match": 3}}}}}
+    parsed = doctor.parse_stats(document)
+    assert parsed.reserve_routing == {"preferred": 10, "fallback": 2}
+    crossed = only(doctor.check_realtime_reserve(inputs_with(reserve_routing=parsed.reserve_routing)))
+    assert crossed.severity == doctor.WARN
+    assert crossed.summary == "2 of 12 hot-lane routings crossed the realtime reserve"
+    assert "realtime_reserved_hot_replicas" in crossed.action
+    held = only(doctor.check_realtime_reserve(inputs_with(reserve_routing={"preferred": 155})))
+    assert held.severity == doctor.OK and held.summary == "realtime reserve held"
+    assert doctor.check_realtime_reserve(inputs_with()) == []  # no reserve, no finding
 
 
 def test_parse_stats_tolerates_errors_future_shapes_and_missing_lanes():
