@@ -333,3 +333,54 @@ def test_cli_serve_config_hub_model_needs_model_config(tmp_path, monkeypatch, ca
     assert data["inputs"]["tensor_parallel_size"] == 2
     assert data["kv_bytes_per_token_per_gpu"] == 131_072
     assert data["inputs"]["gpu_memory_utilization"] == 0.85
+
+
+# ---- engines sharing one GPU (--shared-gpu) ----------------------------------------------------------------------
+H200_GIB = 140.40  # NVML's total for the H200 (143,771 MiB)
+
+
+def test_gpu_single_fits_the_h200_as_measured(tmp_path, monkeypatch, capsys):
+    # Round 10: three engines (two hot of 3 GiB KV, one cold of 74 GiB) peaked at 134,023 MiB. The sum is
+    # 3 x 14.96 GiB of bf16 weights (8,030,261,248 parameters x 2 B) + 3 + 3 + 74 GiB of KV + 3 x 2 GiB = 130.87 GiB
+    # = 134,011 MiB.
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_3_1_8B))
+    monkeypatch.chdir(REPO)
+    code = kv_budget.main(["--serve-config", "serve_configs/gpu-single.yaml", "--shared-gpu", "--model-config",
+                           str(config), "--gpu-memory-gib", str(H200_GIB)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "3 engines on one GPU" in out and "together: 130.87 GiB of 140.40 GiB" in out
+    assert "FAIL" not in out and out.count("starts last") == 3
+
+
+def shared(name, kv_gib, utilization, num_gpus=0.25):
+    weights = 8_030_261_248 * 2
+    return kv_budget.SharedEngine(name, name.split()[0], weights, None if kv_gib is None else int(kv_gib * GIB),
+                                  utilization, num_gpus)
+
+
+def test_shared_gpu_start_up_check_names_the_engine_and_the_utilization_that_would_pass():
+    engines = [shared("hot_lane replica 1", 3, 0.25), shared("hot_lane replica 2", 3, 0.15),
+               shared("cold_lane replica 1", 74, 0.66, 0.5)]
+    _, checks = kv_budget.shared_gpu_checks(engines, int(H200_GIB * GIB), 2 * GIB)
+    by_name = {c.name: c for c in checks}
+    # Started last, hot replica 1 finds 140.40 - 19.96 - 90.96 = 29.48 GiB free and wants 0.25 x 140.40 = 35.10.
+    first = by_name["hot_lane replica 1 starts last"]
+    assert first.status == FAIL and "hot_lane.engine.gpu_memory_utilization <= 0.2" in first.detail
+    assert by_name["hot_lane replica 2 starts last"].status == PASS
+    assert by_name["engines fit on the GPU"].status == PASS
+
+
+def test_shared_gpu_that_does_not_fit_or_over_asks_for_gpus_fails():
+    engines = [shared("hot_lane replica 1", 10, 0.15), shared("hot_lane replica 2", 10, 0.15),
+               shared("cold_lane replica 1", 100, 0.66, 0.75)]
+    _, checks = kv_budget.shared_gpu_checks(engines, int(H200_GIB * GIB), 2 * GIB)
+    by_name = {c.name: c for c in checks}
+    assert by_name["engines fit on the GPU"].status == FAIL and "short" in by_name["engines fit on the GPU"].detail
+    assert by_name["one GPU's worth of num_gpus"].status == FAIL  # 0.25 + 0.25 + 0.75
+
+
+def test_an_engine_without_a_byte_budget_holds_its_utilization_share():
+    sized_by_share = shared("cold_lane replica 1", None, 0.5)
+    assert kv_budget.engine_footprint(sized_by_share, 100 * GIB, 2 * GIB) == 50 * GIB
