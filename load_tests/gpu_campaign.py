@@ -273,6 +273,9 @@ def kv_and_prefix(samples: list[dict[str, Any]], final: Any) -> dict[str, dict[s
             hits = sum(e.get("prefix_cache_hits") or 0 for e in entries)
             row["prefix_cache_hit_rate"] = hits / queries if queries else None
             row["served_by_class"] = entries[0].get("served_by_class")
+            # Per replica: with more than one (the hot lane's realtime reserve), which served which class.
+            row["served_by_replica"] = {str(e.get("replica_id", i)).rsplit("#", 1)[-1]: e.get("served_by_class") or {}
+                                        for i, e in enumerate(entries)}
     return lanes
 
 
@@ -289,6 +292,7 @@ def replica_routing(final: Any) -> dict[str, dict[str, Any]]:
         total = sum(lookups.values())
         rows[deployment] = {"p50_ms": entry.get("p50_ms"), "p99_ms": entry.get("p99_ms"),
                             "reasons": entry.get("reasons") or {}, "lookups": lookups,
+                            "reserve_routing": entry.get("reserve_routing") or {},
                             "lookups_ok_share": lookups.get("ok", 0) / total if total else None}
     return rows
 
@@ -504,20 +508,31 @@ def render_summary_md(summary: dict[str, Any]) -> str:
                 f"{'–' if ratio is None else f'{ratio:.3f}'} | {'–' if hit is None else f'{hit * 100:.1f} %'} |")
     lines += ["", "kv_budget is run without `--reserve-gib`, so it is an upper bound: the engine also subtracts the "
               "activation peak and CUDA-graph memory it measures at start-up.", ""]
+    served = [(p["label"], lane, replica, by_class) for p in summary["phases"]
+              for lane, row in (p.get("lanes") or {}).items()
+              for replica, by_class in (row.get("served_by_replica") or {}).items()]
+    if served:
+        lines += ["## Requests served per replica (final stats, warm-ups included)", "",
+                  "| phase | lane | replica | served by class |", "|---|---|---|---|"]
+        lines += [f"| {label} | {lane} | {replica} | "
+                  f"{', '.join(f'{k} {v}' for k, v in sorted(by_class.items())) or '–'} |"
+                  for label, lane, replica, by_class in served]
+        lines.append("")
     routed = [(p["label"], deployment, row) for p in summary["phases"]
               for deployment, row in (p.get("replica_routing") or {}).items()]
     if routed:
         lines += ["## Prefix-affinity routing (one Router replica, whole phase)", "",
-                  "| phase | deployment | decision p50 / p99 (ms) | lookups | ok share | reasons |",
-                  "|---|---|---|---|---|---|"]
+                  "| phase | deployment | decision p50 / p99 (ms) | lookups | ok share | reasons | realtime reserve |",
+                  "|---|---|---|---|---|---|---|"]
         for label, deployment, row in routed:
             share = row["lookups_ok_share"]
             lookups = ", ".join(f"{k} {v}" for k, v in sorted(row["lookups"].items())) or "–"
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["reasons"].items())) or "–"
+            reserve = ", ".join(f"{k} {v}" for k, v in sorted((row.get("reserve_routing") or {}).items())) or "–"
             p50, p99 = row.get("p50_ms"), row.get("p99_ms")
             lines.append(f"| {label} | {deployment} | {'–' if p50 is None else f'{p50:.2f}'} / "
                          f"{'–' if p99 is None else f'{p99:.2f}'} | {lookups} | "
-                         f"{'–' if share is None else f'{share * 100:.0f} %'} | {reasons} |")
+                         f"{'–' if share is None else f'{share * 100:.0f} %'} | {reasons} | {reserve} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -181,8 +181,24 @@ def test_replica_routing_shows_how_many_lookups_answered_in_time():
     assert gc.replica_routing({"error": "x"}) == {} and gc.replica_routing(None) == {}
     markdown = gc.render_summary_md({"generated_at": "now", "deferred": [], "scenarios": [],
                                      "phases": [{"label": "affinity", "scenarios": {}, "replica_routing": rows}]})
-    assert ("| affinity | HotLane | 5.20 / 9.80 | ok 346, timeout 703 | 33 % | affinity 312, lookup_failed 703 |"
+    assert ("| affinity | HotLane | 5.20 / 9.80 | ok 346, timeout 703 | 33 % | affinity 312, lookup_failed 703 | – |"
             in markdown)
+
+
+def test_the_summary_shows_the_realtime_reserve_and_who_served_what():
+    # Round 10's first reserve phase: the reserved hot replica took the realtime requests, the other the interactive.
+    final = {"router": {"replica_routing": {"HotLane": {"p50_ms": 0.07, "p99_ms": 2.3, "reasons": {"short_prompt": 155},
+                                                        "reserve_routing": {"preferred": 155}}}},
+             "lanes": {"hot": [{"replica_id": "SERVE_REPLICA::llm-lanes#HotLane#oo1ke7nu",
+                                "served_by_class": {"interactive": 415}},
+                               {"replica_id": "SERVE_REPLICA::llm-lanes#HotLane#jjhawuxv",
+                                "served_by_class": {"interactive": 1, "realtime": 135}}]}}
+    phase = {"label": "reserve", "scenarios": {}, "replica_routing": gc.replica_routing(final),
+             "lanes": gc.kv_and_prefix([], final)}
+    markdown = gc.render_summary_md({"generated_at": "now", "deferred": [], "scenarios": [], "phases": [phase]})
+    assert "| reserve | HotLane | 0.07 / 2.30 | – | – | short_prompt 155 | preferred 155 |" in markdown
+    assert "| reserve | hot | jjhawuxv | interactive 1, realtime 135 |" in markdown
+    assert "| reserve | hot | oo1ke7nu | interactive 415 |" in markdown
 
 
 def test_gpu_csv_skips_bad_rows(tmp_path):
