@@ -5,7 +5,8 @@
 #   source /tmp/site.env && bash load_tests/gpu_campaign.sh PHASE [PHASE ...]
 #
 # Phases (run in the order given; each serving phase starts Ray + the app, measures, and tears everything down):
-#   preflight          env + versions, the 8B dummy model dir, app.tools.preflight, app.tools.kv_budget per lane
+#   preflight          env + versions, the 8B dummy model dir, app.tools.preflight, app.tools.kv_budget per lane and
+#                      for gpu-single.yaml's engines together (--shared-gpu)
 #   lanes-tuned        serve_configs/gpu-lanes-tuned.yaml  (hot 0.20 / cold 0.70)
 #   lanes              serve_configs/gpu-single.yaml       (the tuned one-GPU config; with the CUDA MPS daemon on,
 #                      which it needs; skipped if MPS is missing)
@@ -168,6 +169,10 @@ EOF
       >"$dir/kv-$stem-$lane.json" 2>/dev/null
     kv_rcs+="\"$stem-$lane\": $?, "
   done
+  # Every engine that shares the GPU, together (gpu-single.yaml's three): fit, and vLLM's start-up check per engine.
+  timeout 120 "$PY" -m app.tools.kv_budget --serve-config serve_configs/gpu-single.yaml --shared-gpu \
+    >"$dir/kv-gpu-single-shared.txt" 2>&1
+  kv_rcs+="\"gpu-single-shared\": $?, "
   printf '{"preflight_rc": %s, "kv_budget_rc": {%s}}\n' "$rc" "${kv_rcs%, }" >"$dir/summary.json"
   log "preflight: done (preflight rc=$rc; kv_budget rc: ${kv_rcs%, })"
 }
