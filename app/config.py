@@ -174,6 +174,11 @@ class LaneDeploymentSettings(StrictModel):
     # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE to cap this lane's share of the GPU's SMs under the CUDA MPS daemon.
     env_vars: dict[str, str] = Field(default_factory=dict)
 
+    @property
+    def min_replicas(self) -> int:
+        """Replicas the lane has at its smallest: autoscaling.min_replicas when it autoscales, else num_replicas."""
+        return self.autoscaling.min_replicas if self.autoscaling else self.num_replicas
+
     @model_validator(mode="after")
     def _check(self) -> "LaneDeploymentSettings":
         if self.health_check_period_s >= MAX_HEALTH_CHECK_PERIOD_S:
@@ -416,11 +421,10 @@ class AppConfig(StrictModel):
                              f"'{self.prefix_cache.routing}' turns off: set prefix_cache.routing: affinity, or set "
                              "the reserve to 0")
         deployment = self.hot_lane.deployment
-        replicas = deployment.autoscaling.min_replicas if deployment.autoscaling else deployment.num_replicas
         where = "autoscaling.min_replicas" if deployment.autoscaling else "num_replicas"
-        if replicas <= reserved:
+        if deployment.min_replicas <= reserved:
             raise ValueError(f"{field} would leave no hot replica for interactive requests: hot_lane.deployment."
-                             f"{where} is {replicas}; raise it above {reserved}, or lower the reserve")
+                             f"{where} is {deployment.min_replicas}; raise it above {reserved}, or lower the reserve")
 
     def lane(self, name: str) -> LaneConfig:
         lane = {"hot": self.hot_lane, "cold": self.cold_lane}[name]
@@ -439,10 +443,7 @@ class AppConfig(StrictModel):
         for lane in (self.hot_lane, self.cold_lane):
             if lane is None:
                 continue
-            replicas = lane.deployment.autoscaling.min_replicas if lane.deployment.autoscaling else (
-                lane.deployment.num_replicas
-            )
-            total += replicas * gpus_per_replica(lane)
+            total += lane.deployment.min_replicas * gpus_per_replica(lane)
         return max(1, int(-(-total // 1))) if self.device == "gpu" else 0
 
     @property

@@ -650,10 +650,9 @@ def shared_engines(app: AppConfig, shape: ModelShape) -> list[SharedEngine]:
         if lane is None or lane.engine.tensor_parallel_size != 1 or not 0 < lane.deployment.num_gpus < 1:
             continue
         deployment = lane.deployment
-        replicas = deployment.autoscaling.min_replicas if deployment.autoscaling else deployment.num_replicas
         precision = _normalize_precision(lane.engine.dtype) or _normalize_precision(shape.config_dtype) or "fp16"
         weight_bytes = parameter_count(shape) * dtype_bytes(precision)
-        for index in range(replicas):
+        for index in range(deployment.min_replicas):
             engines.append(SharedEngine(f"{lane_field} replica {index + 1}", lane_field, weight_bytes,
                                         lane.engine.kv_cache_memory_bytes, lane.engine.gpu_memory_utilization,
                                         deployment.num_gpus))
