@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from app.config import ALLOWED_BLOCK_SIZES, AppConfig, ConfigError, load_app_config
+from app.config import ALLOWED_BLOCK_SIZES, AppConfig, ConfigError, EngineSettings, load_app_config
 
 GIB = 1024**3
 # The tuning guide's validate_kv_cache.py example: a 128K context at batch 32.
@@ -520,12 +520,8 @@ def _normalize_precision(name: str | None) -> str | None:
     return {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}.get(key, key)
 
 
-def build_inputs(args: argparse.Namespace) -> BudgetInputs:
-    engine = None
-    app: AppConfig | None = None
-    if args.serve_config:
-        _, app = read_serve_config(args.serve_config, args.app)
-        engine = app.lane(args.lane).engine
+def model_shape(args: argparse.Namespace, app: AppConfig | None) -> ModelShape:
+    """The model's shape from --model-config, --model, or the serve config's model source (its config.json)."""
     if args.model_config:
         config_path: Path | None = Path(args.model_config)
     elif args.model:
@@ -540,12 +536,25 @@ def build_inputs(args: argparse.Namespace) -> BudgetInputs:
             f"no config.json for {source!r} on disk: pass --model-config PATH/TO/config.json "
             "(e.g. downloaded with `huggingface-cli download MODEL config.json`)"
         )
-    shape = ModelShape.from_config(json.loads(config_path.read_text()))
+    return ModelShape.from_config(json.loads(config_path.read_text()))
 
+
+def weight_precision_of(engine: EngineSettings | None, shape: ModelShape, override: str | None = None) -> str:
+    """--weight-precision, else the engine's dtype, else the model's, else fp16."""
     engine_dtype = _normalize_precision(engine.dtype) if engine else None
+    return override or engine_dtype or _normalize_precision(shape.config_dtype) or "fp16"
+
+
+def build_inputs(args: argparse.Namespace) -> BudgetInputs:
+    engine = None
+    app: AppConfig | None = None
+    if args.serve_config:
+        _, app = read_serve_config(args.serve_config, args.app)
+        engine = app.lane(args.lane).engine
+    shape = model_shape(args, app)
+
     kv_from_engine = _normalize_precision(engine.extra_engine_args.get("kv_cache_dtype")) if engine else None
-    config_dtype = _normalize_precision(shape.config_dtype)
-    weight_precision = args.weight_precision or engine_dtype or config_dtype or "fp16"
+    weight_precision = weight_precision_of(engine, shape, args.weight_precision)
     kv_precision = args.precision or kv_from_engine or weight_precision
 
     max_seq_len = args.max_seq_len or (app.model.max_model_len if app else None) or args.max_tokens or GUIDE_MAX_TOKENS
@@ -642,7 +651,7 @@ def shared_gpu_checks(engines: list[SharedEngine], gpu_bytes: int,
     return lines, checks
 
 
-def shared_engines(app: AppConfig, shape: ModelShape) -> list[SharedEngine]:
+def shared_engines(app: AppConfig, shape: ModelShape, weight_precision: str | None = None) -> list[SharedEngine]:
     """Every replica of a lane with tensor_parallel_size 1 and a fractional num_gpus: the engines that share GPUs."""
     engines = []
     for lane_field in ("hot_lane", "cold_lane"):
@@ -650,8 +659,7 @@ def shared_engines(app: AppConfig, shape: ModelShape) -> list[SharedEngine]:
         if lane is None or lane.engine.tensor_parallel_size != 1 or not 0 < lane.deployment.num_gpus < 1:
             continue
         deployment = lane.deployment
-        precision = _normalize_precision(lane.engine.dtype) or _normalize_precision(shape.config_dtype) or "fp16"
-        weight_bytes = parameter_count(shape) * dtype_bytes(precision)
+        weight_bytes = parameter_count(shape) * dtype_bytes(weight_precision_of(lane.engine, shape, weight_precision))
         for index in range(deployment.min_replicas):
             engines.append(SharedEngine(f"{lane_field} replica {index + 1}", lane_field, weight_bytes,
                                         lane.engine.kv_cache_memory_bytes, lane.engine.gpu_memory_utilization,
@@ -663,11 +671,7 @@ def shared_gpu_main(args: argparse.Namespace) -> int:
     if not args.serve_config:
         raise SystemExit("--shared-gpu needs --serve-config")
     _, app = read_serve_config(args.serve_config, args.app)
-    config_path = (Path(args.model_config) if args.model_config else
-                   find_model_config(app.model.source, [Path(args.serve_config).resolve().parent.parent]))
-    if config_path is None or not config_path.is_file():
-        raise SystemExit(f"no config.json for {app.model.source!r} on disk: pass --model-config PATH/TO/config.json")
-    engines = shared_engines(app, ModelShape.from_config(json.loads(config_path.read_text())))
+    engines = shared_engines(app, model_shape(args, app), args.weight_precision)
     if not engines:
         print(f"{args.serve_config}: no lane shares a GPU (no replica with tensor_parallel_size 1 and num_gpus < 1)")
         return 0
