@@ -1201,8 +1201,8 @@ def parse_stats(document: Mapping[str, Any]) -> ParsedStats:
         backlog = next(
             (backlog[k] for k in ("lines", "pending_lines", "pending") if _number(backlog.get(k)) is not None), None
         )
-    hot_routing = (router.get("replica_routing") or {}).get("HotLane") if isinstance(
-        router.get("replica_routing"), Mapping) else None
+    routing = router.get("replica_routing")
+    hot_routing = routing.get("HotLane") if isinstance(routing, Mapping) else None
     reserve = _counts(hot_routing.get("reserve_routing")) if isinstance(hot_routing, Mapping) else {}
     return ParsedStats(replicas, breakers, _counts(router.get("queued_by_class")), _number(backlog),
                        _number(router.get("batch_window")), tuple(lanes), notes, reserve)
