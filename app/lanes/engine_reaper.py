@@ -28,7 +28,7 @@ from pathlib import Path
 
 # The folder holding the `app` package.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-# How often the watcher looks at the replica's pid when pidfd is not available, and at the engines' pids.
+# How often the watcher looks at the replica's pid and the engines' pids (a few stat reads each time).
 POLL_INTERVAL_S = 0.5
 
 
