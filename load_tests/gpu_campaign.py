@@ -279,6 +279,39 @@ def kv_and_prefix(samples: list[dict[str, Any]], final: Any) -> dict[str, dict[s
     return lanes
 
 
+def _prefix_counters(stats: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """{lane: {replica id: (prefix-cache queries, hits)}} from one /v1/admin/stats snapshot."""
+    return {lane: {str(e.get("replica_id", i)): (e.get("prefix_cache_queries") or 0, e.get("prefix_cache_hits") or 0)
+                   for i, e in enumerate(entries)}
+            for lane, entries in lane_entries(stats).items()}
+
+
+def prefix_hit_rate_in_window(samples: list[dict[str, Any]], start_unix: float, end_unix: float,
+                              final: Any = None) -> dict[str, float | None]:
+    """Per lane, the engines' prefix-cache hit rate over one scenario's run: the counters' growth from the last
+    sample at or before `start_unix` to the first at or after `end_unix` (else `final`, the snapshot taken after
+    the phase's last scenario: the sampler stops with the scenarios). A phase runs several scenarios and the
+    engine counters only ever grow, so the final snapshot's rate mixes them (gpu_mixed shares no prefixes). A
+    replica missing from either snapshot, or whose counters went back (restarted), is left out."""
+    timed = [s for s in samples if isinstance(s.get("t"), (int, float)) and lane_entries(s.get("stats"))]
+    before = [s["stats"] for s in timed if s["t"] <= start_unix]
+    after = [s["stats"] for s in timed if s["t"] >= end_unix] or ([final] if lane_entries(final) else [])
+    if not before or not after:
+        return {}
+    first, last = _prefix_counters(before[-1]), _prefix_counters(after[0])
+    rates: dict[str, float | None] = {}
+    for lane, replicas in last.items():
+        queries = hits = 0
+        for replica, (q_end, h_end) in replicas.items():
+            q_start, h_start = first.get(lane, {}).get(replica, (None, None))
+            if q_start is None or q_end < q_start or h_end < h_start:
+                continue
+            queries += q_end - q_start
+            hits += h_end - h_start
+        rates[lane] = hits / queries if queries else None
+    return rates
+
+
 def replica_routing(final: Any) -> dict[str, dict[str, Any]]:
     """Per lane deployment, the answering Router replica's prefix-affinity decisions from the final admin stats:
     decision time p50/p99, reasons and lookup outcomes (a lookup that misses its budget routes on load only, so a
@@ -341,6 +374,7 @@ def phase_summary(phase_dir: Path, kv_predictions: dict[str, dict[str, int]]) ->
     phase = _read_json(phase_dir / "phase.json") or {"label": phase_dir.name, "status": "unknown"}
     config_stem = Path(phase.get("config") or "").stem
     result: dict[str, Any] = {**phase, "scenarios": {}}
+    samples, final = read_stats_samples(phase_dir / "stats.jsonl"), _read_json(phase_dir / "stats-final.json")
     for report_path in sorted(phase_dir.glob("*/report.json")):
         report = _read_json(report_path)
         if not report or not report.get("runs"):
@@ -351,15 +385,18 @@ def phase_summary(phase_dir: Path, kv_predictions: dict[str, dict[str, int]]) ->
         if not run.get("error"):
             entry["classes"] = {name: _class_row(s) for name, s in run["summary"]["classes"].items()}
             entry["errors_total"] = sum(sum(s["errors"].values()) for s in run["summary"]["classes"].values())
+            began, wall_s = run.get("measured_from_unix"), run.get("wall_s")
+            if began is not None and wall_s is not None:
+                entry["prefix_hit_rate_by_lane"] = prefix_hit_rate_in_window(samples, began, began + wall_s, final)
         result["scenarios"][report_path.parent.name] = entry
-    lanes = kv_and_prefix(read_stats_samples(phase_dir / "stats.jsonl"), _read_json(phase_dir / "stats-final.json"))
+    lanes = kv_and_prefix(samples, final)
     for lane, row in lanes.items():
         predicted = kv_predictions.get(config_stem, {}).get(lane)
         row["kv_budget_tokens"] = predicted
         measured = row.get("kv_capacity_tokens")
         row["kv_measured_over_budget"] = measured / predicted if measured and predicted else None
     result["lanes"] = lanes
-    result["replica_routing"] = replica_routing(_read_json(phase_dir / "stats-final.json"))
+    result["replica_routing"] = replica_routing(final)
     result["gpu"] = read_gpu_csv(phase_dir / "gpu.csv")
     smoke_result = _read_json(phase_dir / "smoke.json")
     if smoke_result:
@@ -495,7 +532,8 @@ def render_summary_md(summary: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## KV cache and prefix cache per lane", "",
               "| phase | lane | peak KV usage | peak running / waiting | KV capacity (tokens, engine) | "
-              "kv_budget (tokens) | engine ÷ kv_budget | prefix hit rate |", "|---|---|---|---|---|---|---|---|"]
+              "kv_budget (tokens) | engine ÷ kv_budget | prefix hit rate (whole phase) |",
+              "|---|---|---|---|---|---|---|---|"]
     for p in summary["phases"]:
         for lane, row in (p.get("lanes") or {}).items():
             usage = row.get("peak_kv_usage")
@@ -508,6 +546,16 @@ def render_summary_md(summary: dict[str, Any]) -> str:
                 f"{'–' if ratio is None else f'{ratio:.3f}'} | {'–' if hit is None else f'{hit * 100:.1f} %'} |")
     lines += ["", "kv_budget is run without `--reserve-gib`, so it is an upper bound: the engine also subtracts the "
               "activation peak and CUDA-graph memory it measures at start-up.", ""]
+    by_scenario = [(p["label"], scenario, lane, rate) for p in summary["phases"]
+                   for scenario, entry in p["scenarios"].items()
+                   for lane, rate in (entry.get("prefix_hit_rate_by_lane") or {}).items()]
+    if by_scenario:
+        lines += ["## Prefix-cache hit rate per scenario (engine counters over the scenario's run)", "",
+                  "| phase | scenario | lane | hit rate |", "|---|---|---|---|"]
+        lines += [f"| {label} | {scenario} | {lane} | {'–' if rate is None else f'{rate * 100:.1f} %'} |"
+                  for label, scenario, lane, rate in by_scenario]
+        lines += ["", "Per class, the share of prompt tokens the engines reported as cached is in each scenario's "
+                  "report (`prefix hit rate (cached ÷ prompt tokens)`).", ""]
     served = [(p["label"], lane, replica, by_class) for p in summary["phases"]
               for lane, row in (p.get("lanes") or {}).items()
               for replica, by_class in (row.get("served_by_replica") or {}).items()]

@@ -172,6 +172,34 @@ def test_kv_and_prefix_take_peaks_over_samples_and_rates_from_the_final_snapshot
     assert lanes["hot"]["kv_capacity_tokens"] == 90_000
 
 
+def _counters(t: float, hot: dict[str, tuple[int, int]], cold: tuple[int, int] = (0, 0)) -> dict:
+    return {"t": t, "stats": {"lanes": {
+        "hot": [{"replica_id": rid, "prefix_cache_queries": q, "prefix_cache_hits": h} for rid, (q, h) in hot.items()],
+        "cold": [{"replica_id": "c", "prefix_cache_queries": cold[0], "prefix_cache_hits": cold[1]}]}}}
+
+
+def test_prefix_hit_rate_per_scenario_counts_only_the_counters_growth_inside_its_run():
+    # gpu_mixed (no shared prefixes) ran first, 1000 queries and no hits; the shared-prefix scenario then ran from
+    # t = 100 to t = 150. Its rate is the growth between the samples bracketing it, not the phase's running total.
+    samples = [_counters(90, {"a": (1000, 0), "b": (10, 0)}, (5000, 0)),
+               _counters(101, {"a": (1100, 20), "b": (10, 0)}, (5100, 50)),
+               _counters(151, {"a": (2000, 600), "b": (110, 100)}, (9000, 3200)),
+               {"t": 152, "stats": {"error": "timeout"}}]
+    rates = gc.prefix_hit_rate_in_window(samples, 100, 150)
+    assert rates["hot"] == pytest.approx(700 / 1100) and rates["cold"] == pytest.approx(3200 / 4000)
+    # A replica whose counters went back (restarted) or that a bracketing sample lacks is left out.
+    restarted = samples[:1] + [_counters(151, {"a": (500, 400), "b": (110, 100)}, (9000, 3200))]
+    assert gc.prefix_hit_rate_in_window(restarted, 100, 150)["hot"] == 1.0
+    no_queries = [_counters(90, {"a": (5, 0)}), _counters(151, {"a": (5, 0)})]
+    assert gc.prefix_hit_rate_in_window(no_queries, 100, 150)["hot"] is None
+    # No sample before the start (or after the end): unknown rather than the phase total.
+    assert gc.prefix_hit_rate_in_window(samples[1:], 100, 150) == {}
+    assert gc.prefix_hit_rate_in_window(samples, 100, 160) == {}
+    # The sampler stops with the phase's last scenario: the final snapshot then closes its window.
+    final = _counters(0, {"a": (2000, 600), "b": (110, 100)}, (9000, 3200))["stats"]
+    assert gc.prefix_hit_rate_in_window(samples, 100, 160, final)["cold"] == pytest.approx(3200 / 4000)
+
+
 def test_replica_routing_shows_how_many_lookups_answered_in_time():
     final = {"router": {"replica_routing": {"HotLane": {
         "p50_ms": 5.2, "p99_ms": 9.8, "reasons": {"affinity": 312, "lookup_failed": 703},
