@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +273,8 @@ def kv_and_prefix(samples: list[dict[str, Any]], final: Any) -> dict[str, dict[s
             queries = sum(e.get("prefix_cache_queries") or 0 for e in entries)
             hits = sum(e.get("prefix_cache_hits") or 0 for e in entries)
             row["prefix_cache_hit_rate"] = hits / queries if queries else None
-            row["served_by_class"] = entries[0].get("served_by_class")
+            # The lane's total over its replicas (the hot lane has two with the realtime reserve).
+            row["served_by_class"] = dict(sum((Counter(e.get("served_by_class") or {}) for e in entries), Counter()))
             # Per replica: with more than one (the hot lane's realtime reserve), which served which class.
             row["served_by_replica"] = {str(e.get("replica_id", i)).rsplit("#", 1)[-1]: e.get("served_by_class") or {}
                                         for i, e in enumerate(entries)}

@@ -227,6 +227,7 @@ def test_the_summary_shows_the_realtime_reserve_and_who_served_what():
     assert "| reserve | HotLane | 0.07 / 2.30 | – | – | short_prompt 155 | preferred 155 |" in markdown
     assert "| reserve | hot | jjhawuxv | interactive 1, realtime 135 |" in markdown
     assert "| reserve | hot | oo1ke7nu | interactive 415 |" in markdown
+    assert phase["lanes"]["hot"]["served_by_class"] == {"interactive": 416, "realtime": 135}  # the lane's total
 
 
 def test_gpu_csv_skips_bad_rows(tmp_path):
