@@ -198,6 +198,11 @@ def test_prefix_hit_rate_per_scenario_counts_only_the_counters_growth_inside_its
     # The sampler stops with the phase's last scenario: the final snapshot then closes its window.
     final = _counters(0, {"a": (2000, 600), "b": (110, 100)}, (9000, 3200))["stats"]
     assert gc.prefix_hit_rate_in_window(samples, 100, 160, final)["cold"] == pytest.approx(3200 / 4000)
+    phase = {"label": "lanes", "scenarios": {"gpu_shared_prefix": {"prefix_hit_rate_by_lane": {
+        "hot": rates["hot"], "cold": None}}}}
+    markdown = gc.render_summary_md({"generated_at": "now", "deferred": [], "scenarios": [], "phases": [phase]})
+    assert "| lanes | gpu_shared_prefix | hot | 63.6 % |" in markdown
+    assert "| lanes | gpu_shared_prefix | cold | – |" in markdown
 
 
 def test_replica_routing_shows_how_many_lookups_answered_in_time():
