@@ -148,6 +148,9 @@ class LaneReplica:
                      if self.lane == "hot" and admission.enabled else None)
         self.inflight_by_class: Counter[str] = Counter()
         self.served_by_class: Counter[str] = Counter()
+        # Engine requests this replica aborted before they finished: the client went away, a deadline passed, or the
+        # stream failed. An operator sees disconnects here; a test sees the abort without racing the engine.
+        self.aborted_by_class: Counter[str] = Counter()
         self.held_for_kv = 0
         # High-water marks: lets an operator (and a test) see the realtime cap hold under load.
         self.max_inflight_by_class: Counter[str] = Counter()
@@ -216,6 +219,7 @@ class LaneReplica:
             self.inflight_by_class[request.request_class] -= 1
             if not finished:
                 # Cancelled (client gone, deadline) or failed: make sure the engine drops the sequence.
+                self.aborted_by_class[request.request_class] += 1
                 await asyncio.shield(self.engine.abort(request.request_id))
 
     async def check_health(self) -> None:
@@ -252,6 +256,7 @@ class LaneReplica:
             "prefix_cache_hit_rate": engine_stats.prefix_cache_hit_rate,
             "inflight_by_class": {k: v for k, v in self.inflight_by_class.items() if v},
             "served_by_class": dict(self.served_by_class),
+            "aborted_by_class": dict(self.aborted_by_class),
             "gate_waiting_by_class": {c.value: self.gate.waiting(c) for c in RequestClass} if self.gate else {},
             "max_inflight_by_class": dict(self.max_inflight_by_class),
             "held_for_kv_headroom": self.held_for_kv,
