@@ -58,6 +58,11 @@ def test_completion_accepts_token_ids(openai_client, served_model):
     assert answer.usage.prompt_tokens == 4
 
 
+def class_count(replica_stats: dict, counter: str, request_class: str) -> int:
+    """One per-class counter (served_by_class, aborted_by_class) of a lane replica's /v1/admin/stats entry."""
+    return replica_stats[counter].get(request_class, 0)
+
+
 def test_service_tier_picks_the_lane(app_url, served_model):
     before = lane_stats(app_url)
     served = {}
@@ -70,8 +75,8 @@ def test_service_tier_picks_the_lane(app_url, served_model):
     after = lane_stats(app_url)
 
     def grew(lane, request_class):
-        return after[lane]["served_by_class"].get(request_class, 0) - before[lane]["served_by_class"].get(
-            request_class, 0)
+        return (class_count(after[lane], "served_by_class", request_class)
+                - class_count(before[lane], "served_by_class", request_class))
 
     assert served == {"flex": "batch", "default": "interactive", "priority": "realtime"}
     assert grew("cold", "batch") == 1 and grew("hot", "batch") == 0
@@ -93,20 +98,19 @@ def test_client_disconnect_aborts_the_engine_request(app_url, served_model):
             received = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in received)
         # Leaving the block closes the connection mid-stream.
-
-    def counts(stats: dict, key: str) -> int:
-        return stats[key].get("interactive", 0)
+    aborted_before = class_count(before[lane], "aborted_by_class", "interactive")
 
     def settled() -> dict | None:
         stats = lane_stats(app_url)[lane]
         done = stats["running"] == 0 and not stats["inflight_by_class"]
-        return stats if done and counts(stats, "aborted_by_class") > counts(before[lane], "aborted_by_class") else None
+        return stats if done and class_count(stats, "aborted_by_class", "interactive") > aborted_before else None
 
     after = wait_until(settled, timeout_s=30)
     assert after, lane_stats(app_url)[lane]
     # Aborted once, never served to its end, and the engine runs nothing any more.
-    assert counts(after, "aborted_by_class") == counts(before[lane], "aborted_by_class") + 1
-    assert counts(after, "served_by_class") == counts(before[lane], "served_by_class")
+    assert class_count(after, "aborted_by_class", "interactive") == aborted_before + 1
+    assert (class_count(after, "served_by_class", "interactive")
+            == class_count(before[lane], "served_by_class", "interactive"))
 
 
 BAD_REQUESTS = [
