@@ -108,6 +108,7 @@ def build_app(args: dict[str, Any]) -> Application:
     from app.lanes.cold import ColdLane
     from app.lanes.hot import HotLane
     from app.prefix_cache.deployment import PrefixCache
+    from app.prefix_cache.replica_feed import ReplicaPrefixFeed
     from app.router.http import Router
 
     cfg = _resolve_local_paths(load_app_config(args))
@@ -118,8 +119,8 @@ def build_app(args: dict[str, Any]) -> Application:
         # log line per call would bury everything else in its log. Errors are still logged.
         logging_config={"enable_access_log": False},
     ).bind(app_args)
-    hot = HotLane.options(**lane_deployment_options(cfg.hot_lane, cfg)).bind(app_args, prefix_cache)
-    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane, cfg)).bind(app_args, prefix_cache)
+    hot = HotLane.options(**lane_deployment_options(cfg.hot_lane, cfg)).bind(app_args, prefix_cache, ReplicaPrefixFeed)
+    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane, cfg)).bind(app_args, prefix_cache, ReplicaPrefixFeed)
             if cfg.cold_lane is not None else None)
     router = Router.options(
         num_replicas=cfg.router.num_replicas,

@@ -15,12 +15,11 @@ from typing import Any
 
 from app.config import AppConfig, load_app_config
 from app.lanes.engine_reaper import start_engine_reaper
+from app.lanes.replica_stats import KV_USAGE_STAT
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
 from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
-from app.prefix_cache.replica_feed import ReplicaPrefixFeed
-from app.prefix_cache.request_router import KV_USAGE_STAT
-from app.router.admission import Decision, PriorityGate, kv_headroom_decision
-from app.router.classes import RequestClass
+from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
+from app.classes import RequestClass
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +117,11 @@ def vllm_engine_factory(cfg: AppConfig, lane: str, replica_id: str, kv_events_co
 class LaneReplica:
     lane: str = ""
 
-    async def __init__(self, app_args: dict[str, Any], prefix_cache=None, engine_factory: Callable | None = None):
+    async def __init__(self, app_args: dict[str, Any], prefix_cache, prefix_feed_factory: Callable,
+                       engine_factory: Callable | None = None):
+        """`prefix_feed_factory(cfg, lane, replica_id, block_size, prefix_cache)` builds this replica's side of the
+        shared prefix index (app.prefix_cache.replica_feed.ReplicaPrefixFeed, injected by app.main: the prefix cache
+        sits above the lanes)."""
         from ray import serve
 
         self.cfg = load_app_config(app_args)
@@ -126,7 +129,7 @@ class LaneReplica:
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.block_size = self.cfg.lane(self.lane).engine.block_size
         self.prefix_cache = prefix_cache
-        self.prefix_feed = ReplicaPrefixFeed(self.cfg, self.lane, self.replica_id, self.block_size, prefix_cache)
+        self.prefix_feed = prefix_feed_factory(self.cfg, self.lane, self.replica_id, self.block_size, prefix_cache)
         await self.prefix_feed.start()
         self.engine = (engine_factory or vllm_engine_factory)(
             self.cfg, self.lane, self.replica_id, kv_events_config=self.prefix_feed.engine_kv_events_config())

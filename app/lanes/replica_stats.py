@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The key of a lane replica's record_routing_stats() dict that the prefix-affinity request router weighs.
+KV_USAGE_STAT = "kv_usage"
+
 
 def merge_replica_stats(live: dict[str, Any], registry: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every replica of a lane, the one that answered the live handle call first (fresh), then the others as they

@@ -29,7 +29,7 @@ from app.prefix_cache.kv_events import (
     ipc_endpoint,
     kv_events_config,
 )
-from app.router.classes import CLASS_POLICIES, RequestClass
+from app.classes import CLASS_POLICIES, RequestClass
 
 logger = logging.getLogger(__name__)
 

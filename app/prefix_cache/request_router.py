@@ -41,6 +41,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from app.lanes.replica_stats import KV_USAGE_STAT
 from app.prefix_cache.decision_stats import (  # noqa: F401  (re-exported for the lead)
     DecisionStats,
     add_decision_observer,
@@ -68,7 +69,6 @@ PREFIX_CACHE_DEPLOYMENT = "PrefixCache"
 LOOKUP_METHOD = "lookup"
 CHANGES_METHOD = "changes_since"
 LOOKUP_MODES = ("local_mirror", "remote")
-KV_USAGE_STAT = "kv_usage"  # key of the replica's record_routing_stats() dict
 DEFAULT_LOOKUP_TIMEOUT_S = 0.005
 PROMPT_TOKEN_IDS_FIELD = "prompt_token_ids"
 REQUEST_CLASS_FIELD = "request_class"

@@ -26,7 +26,7 @@ HEALTH_SERVICER_FUNCTION = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to
 # Ray Serve picks the application from this metadata key (optional while only one application runs).
 APPLICATION_METADATA_KEY = "application"
 
-# Request-class values as app.router.classes.RequestClass spells them (kept as strings so this module does not
+# Request-class values as app.classes.RequestClass spells them (kept as strings so this module does not
 # depend on the router package; test_proto checks the two agree).
 REQUEST_CLASS_FROM_PROTO: dict[int, str] = {
     pb.REQUEST_CLASS_REALTIME: "realtime",
@@ -53,7 +53,7 @@ class ConvertedRequest:
     """An OpenAI request body plus the class the client asked for by enum.
 
     `request_class` plays the role of the HTTP `X-Request-Class` header: pass it as `header_value` to
-    app.router.classes.classify(body.get("service_tier"), request_class), so an explicit enum wins over service_tier.
+    app.classes.classify(body.get("service_tier"), request_class), so an explicit enum wins over service_tier.
     """
 
     body: dict[str, Any]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from app.config import AppConfig
 from app.router.admission import AdmissionResult, BackPressure, Decision
 from app.router.breaker import BreakerState, CircuitBreaker
-from app.router.classes import Lane, RequestClass
+from app.classes import Lane, RequestClass
 from app.router.deadlines import DeadlinePolicy
 from app.router.spill import LaneCaps, RouteDecision, RouteInputs, RouteRefusal, decide_route, predicted_queue_wait_s
 

@@ -11,7 +11,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 
-from app.router.classes import RequestClass
+from app.classes import RequestClass
 
 DEFAULT_TIMEOUT_FLOORS_S: dict[RequestClass, float] = {
     RequestClass.REALTIME: 15.0,

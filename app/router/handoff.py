@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from app.router.classes import Lane, RequestClass
+from app.classes import Lane, RequestClass
 from app.router.spill import LaneCaps
 
 REASON_DECODE_ON_COLD = "decode_on_cold"

@@ -46,7 +46,7 @@ from app.prefix_cache.mirror import mirror_stats
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
-from app.router.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
+from app.classes import REQUEST_CLASS_HEADER, Lane, RequestClass, UnknownRequestClass, classify, policy_for
 from app.router.control import REASON_KV_HEADROOM, Outcome, TrafficControl
 from app.router.replica_counts import LANE_DEPLOYMENTS, health_response, running_replicas
 from app.router.slot_waiters import SlotWaiters

@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from app.router.classes import CLASS_POLICIES, Lane, RequestClass, policy_for
+from app.classes import CLASS_POLICIES, Lane, RequestClass, policy_for
 
 # The tuning guide: sequences above 8K tokens degrade to the memory-efficient (cold) path.
 DEFAULT_LONG_CONTEXT_THRESHOLD = 8192

@@ -3,17 +3,11 @@ import math
 
 import pytest
 
-from app.router.admission import (
-    RETRY_AFTER_MAX_S,
-    BackPressure,
-    Decision,
-    DrainRateEstimator,
-    PriorityGate,
-    kv_headroom_decision,
-    retry_after_seconds,
-)
-from app.router.classes import RequestClass
+from app.lanes.admission import RETRY_AFTER_MAX_S, Decision, PriorityGate, kv_headroom_decision
+from app.router.admission import BackPressure, DrainRateEstimator, retry_after_seconds
+from app.classes import RequestClass
 
+RESERVE = 0.20  # the schema's admission.realtime_kv_reserve
 RT, IA, BA = RequestClass.REALTIME, RequestClass.INTERACTIVE, RequestClass.BATCH
 
 
@@ -163,38 +157,38 @@ def test_gate_rejects_bad_limits_and_unbalanced_release():
 
 
 def test_interactive_admitted_up_to_reserve_boundary():
-    assert kv_headroom_decision(IA, 0.0).decision is Decision.ADMIT
+    assert kv_headroom_decision(IA, 0.0, RESERVE).decision is Decision.ADMIT
     assert kv_headroom_decision(IA, 0.80, 0.20).decision is Decision.ADMIT  # exactly 1 - reserve
     assert kv_headroom_decision(IA, 0.81, 0.20).decision is Decision.WAIT
 
 
 def test_interactive_over_reserve_spills_waits_or_rejects():
-    spill = kv_headroom_decision(IA, 0.9, can_spill=True)
+    spill = kv_headroom_decision(IA, 0.9, RESERVE, can_spill=True)
     assert spill.decision is Decision.SPILL and "kv_reserve" in spill.reason
-    assert kv_headroom_decision(IA, 0.9, can_spill=False, can_wait=True).decision is Decision.WAIT
-    reject = kv_headroom_decision(IA, 0.9, can_spill=False, can_wait=False)
+    assert kv_headroom_decision(IA, 0.9, RESERVE, can_spill=False, can_wait=True).decision is Decision.WAIT
+    reject = kv_headroom_decision(IA, 0.9, RESERVE, can_spill=False, can_wait=False)
     assert reject.decision is Decision.REJECT and reject.retry_after_s >= 1
 
 
 def test_realtime_uses_the_reserve_until_full():
-    assert kv_headroom_decision(RT, 0.95).decision is Decision.ADMIT
-    assert kv_headroom_decision(RT, 0.999).decision is Decision.ADMIT
-    full = kv_headroom_decision(RT, 1.0)
+    assert kv_headroom_decision(RT, 0.95, RESERVE).decision is Decision.ADMIT
+    assert kv_headroom_decision(RT, 0.999, RESERVE).decision is Decision.ADMIT
+    full = kv_headroom_decision(RT, 1.0, RESERVE)
     assert full.decision is Decision.WAIT and full.reason == "kv_full"
     # Readings slightly out of range (rounding) are clamped, not errors.
-    assert kv_headroom_decision(RT, 1.02).decision is Decision.WAIT
-    assert kv_headroom_decision(IA, -0.01).decision is Decision.ADMIT
+    assert kv_headroom_decision(RT, 1.02, RESERVE).decision is Decision.WAIT
+    assert kv_headroom_decision(IA, -0.01, RESERVE).decision is Decision.ADMIT
 
 
 def test_batch_on_hot_replica_never_rejected_for_kv():
-    assert kv_headroom_decision(BA, 0.95, can_spill=True, can_wait=False).decision is Decision.WAIT
+    assert kv_headroom_decision(BA, 0.95, RESERVE, can_spill=True, can_wait=False).decision is Decision.WAIT
 
 
 def test_kv_headroom_validates_inputs():
     with pytest.raises(ValueError):
         kv_headroom_decision(IA, 0.5, realtime_kv_reserve=1.0)
     with pytest.raises(ValueError):
-        kv_headroom_decision(IA, math.nan)
+        kv_headroom_decision(IA, math.nan, RESERVE)
     # Reserve 0: interactive may use the whole cache.
     assert kv_headroom_decision(IA, 1.0, realtime_kv_reserve=0.0).decision is Decision.ADMIT
 
@@ -259,4 +253,4 @@ def test_back_pressure_validates():
     with pytest.raises(ValueError):
         BackPressure(bounds={IA: -1})
     with pytest.raises(RuntimeError):
-        BackPressure().dequeue(IA)
+        BackPressure(bounds={IA: 1}).dequeue(IA)

@@ -1,6 +1,6 @@
 import pytest
 
-from app.router.classes import Lane, RequestClass, UnknownRequestClass, classify, policy_for
+from app.classes import Lane, RequestClass, UnknownRequestClass, classify, policy_for
 
 
 @pytest.mark.parametrize("tier, expected", [

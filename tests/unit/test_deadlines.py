@@ -1,6 +1,6 @@
 import pytest
 
-from app.router.classes import RequestClass
+from app.classes import RequestClass
 from app.router.deadlines import DEFAULT_TIMEOUT_FLOORS_S, DeadlinePolicy, percentile_nearest_rank
 
 RT, IA, BA = RequestClass.REALTIME, RequestClass.INTERACTIVE, RequestClass.BATCH

@@ -12,7 +12,7 @@ from app.config import ConfigError, load_app_config
 from app.lanes.types import LaneChunk, LaneRequest
 from app.router import openai_api as api
 from app.router.breaker import BreakerState
-from app.router.classes import Lane, RequestClass, policy_for
+from app.classes import Lane, RequestClass, policy_for
 from app.router.handoff import REASON_DECODE_ON_COLD, continuation_lane, handoff_after_tokens
 from app.router.spill import COLD_LANE_INTERACTIVE_PRIORITY, LaneCaps
 from tests.unit.test_observability_wiring import FakeLane, FakeStream, cpu_args, make_router

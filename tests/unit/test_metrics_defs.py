@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.observability import metrics as m
-from app.router.classes import Lane, RequestClass
+from app.classes import Lane, RequestClass
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "cluster" / "grafana" / "llm-lanes-dashboard.json"

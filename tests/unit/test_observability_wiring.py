@@ -20,6 +20,7 @@ from app.config import TRACING_EXPORTERS, ConfigError, load_app_config
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, SamplingOptions
 from app.observability import tracing as tr
 from app.observability.metrics import LlmLanesMetrics
+from app.prefix_cache.replica_feed import ReplicaPrefixFeed
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from tests.unit.grpc_fakes import FakeServicerContext
@@ -544,7 +545,7 @@ async def make_replica(monkeypatch, exporter: str):
 
     replica = object.__new__(ColdReplica)
     args = cpu_args(observability={"tracing": {"exporter": exporter}})
-    await replica.__init__(args, engine_factory=lambda cfg, lane, replica_id, **_: FakeEngine())
+    await replica.__init__(args, None, ReplicaPrefixFeed, engine_factory=lambda cfg, lane, replica_id, **_: FakeEngine())
     return replica, backend
 
 

@@ -12,7 +12,7 @@ from google.protobuf import json_format
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
-from app.router.classes import RequestClass, classify
+from app.classes import RequestClass, classify
 from tests.unit.grpc_fakes import FakeServicerContext
 
 

@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from app.router.breaker import BreakerState
-from app.router.classes import Lane
+from app.classes import Lane
 from tests.unit.test_observability_wiring import FakeLane, make_router
 
 

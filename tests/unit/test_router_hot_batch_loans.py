@@ -5,7 +5,7 @@ request ends."""
 import asyncio
 
 from app.router import openai_api as api
-from app.router.classes import Lane, RequestClass
+from app.classes import Lane, RequestClass
 from tests.unit.test_observability_wiring import FakeLane, make_router
 from tests.unit.test_router_breaker_wiring import DeadLane, line
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from app.router.classes import CLASS_POLICIES, Lane, RequestClass
+from app.classes import CLASS_POLICIES, Lane, RequestClass
 from app.router.spill import (
     COLD_LANE_INTERACTIVE_PRIORITY,
     LaneCaps,
