@@ -18,6 +18,26 @@ CPU_BLOCK_MULTIPLE = 32
 MAX_HEALTH_CHECK_PERIOD_S = 5.0
 
 
+def parse_cpu_list(cpus: str) -> set[int]:
+    """"0", "0-3", "0,2,4-5" (the kernel's and vLLM's CPU-list syntax) -> {0, ...}; ValueError on anything else."""
+    found: set[int] = set()
+    for part in cpus.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{cpus!r} is not a CPU list: use e.g. \"0\", \"0-3\" or \"0,2\"")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"{cpus!r}: range {part!r} runs backwards")
+        found.update(range(first, last + 1))
+    return found
+
+
+def is_postgres_url(location: str) -> bool:
+    """batch.store: a postgresql:// (or postgres://) URL names a PostgreSQL database; anything else a SQLite file."""
+    return location.startswith(("postgresql://", "postgres://"))
+
+
 class StrictModel(BaseModel):
     """Unknown keys are rejected: a typo in a serve config must fail loudly, not be ignored."""
 
@@ -93,8 +113,6 @@ class EngineSettings(StrictModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
                 "raise max_num_batched_tokens to at least max_num_seqs (every running sequence needs a token per step)"
             )
-        from app.lanes.cpu_priority import parse_cpu_list
-
         for setting in ("cpu_frontend_bind", "cpu_engine_core_bind"):
             if getattr(self, setting) is not None:
                 try:
@@ -340,8 +358,6 @@ class BatchConfig(StrictModel):
 
     @property
     def is_postgres(self) -> bool:
-        from app.batch.store import is_postgres_url
-
         return is_postgres_url(self.store)
 
 

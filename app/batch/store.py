@@ -12,7 +12,7 @@ Concurrency contract, relied on by the dispatcher:
 - finalize_batch builds the output files once, in one transaction.
 
 Backends: app.batch.sqlite_store.SqliteBatchStore (file path, WAL) and app.batch.postgres_store.PostgresBatchStore
-(URL). open_batch_store(url_or_path) picks one.
+(URL). app.batch.open_store.open_batch_store(url_or_path) picks one.
 """
 
 from __future__ import annotations
@@ -689,18 +689,3 @@ class SqlBatchStore(BatchStore):
         queued = by_state.get(LINE_QUEUED, (0, 0))
         leased = by_state.get(LINE_LEASED, (0, 0))
         return BacklogStats(queued[0], queued[1], leased[0], leased[1], active)
-
-
-def is_postgres_url(location: str) -> bool:
-    return location.startswith(("postgresql://", "postgres://"))
-
-
-def open_batch_store(location: str, **kwargs: Any) -> BatchStore:
-    """A PostgreSQL URL (postgresql://...) opens PostgresBatchStore; anything else is a SQLite file path."""
-    if is_postgres_url(location):
-        from app.batch.postgres_store import PostgresBatchStore
-
-        return PostgresBatchStore(location, **kwargs)
-    from app.batch.sqlite_store import SqliteBatchStore
-
-    return SqliteBatchStore(location, **kwargs)

@@ -19,7 +19,7 @@ class ColdLane(LaneReplica):
         shared by all replicas (the policy takes its max), the engine's waiting requests are this replica's own.
         """
         if getattr(self, "_batch_store", None) is None:
-            from app.batch.store import open_batch_store
+            from app.batch.open_store import open_batch_store
 
             self._batch_store = open_batch_store(self.cfg.batch.store)
         backlog = self._batch_store.backlog_stats()

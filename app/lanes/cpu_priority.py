@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 
+from app.config import parse_cpu_list  # noqa: F401  (the lanes' name for it: app.lanes.engine pins with it)
+
 logger = logging.getLogger(__name__)
 
 MAX_NICENESS = 19
@@ -71,21 +73,6 @@ def renice_process_tree(root_pid: int, niceness: int, *, include_root: bool = Fa
             except OSError as error:  # the thread ended meanwhile, or not ours: nothing to do
                 logger.debug("could not renice thread %s of process %s: %s", tid, pid, error)
     return changed
-
-
-def parse_cpu_list(cpus: str) -> set[int]:
-    """"0", "0-3", "0,2,4-5" (the kernel's and vLLM's CPU-list syntax) -> {0, ...}; ValueError on anything else."""
-    found: set[int] = set()
-    for part in cpus.split(","):
-        part = part.strip()
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise ValueError(f"{cpus!r} is not a CPU list: use e.g. \"0\", \"0-3\" or \"0,2\"")
-        first, last = int(low), int(high) if dash else int(low)
-        if last < first:
-            raise ValueError(f"{cpus!r}: range {part!r} runs backwards")
-        found.update(range(first, last + 1))
-    return found
 
 
 def pin_process(pid: int, cpus: set[int]) -> int:

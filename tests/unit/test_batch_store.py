@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from app.batch.open_store import open_batch_store
 from app.batch.store import (
     LINE_CANCELLED, LINE_DONE, LINE_FAILED, LINE_LEASED, LINE_QUEUED, ConflictError, InvalidRequestError,
-    NotFoundError, open_batch_store,
+    NotFoundError,
 )
 from tests.batch_store_backends import store_factory  # noqa: F401  (fixture)
 

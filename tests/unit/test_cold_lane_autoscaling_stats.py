@@ -4,7 +4,7 @@ import json
 from types import SimpleNamespace
 
 from app.batch.autoscaling import METRIC_BACKLOG_TOKENS, METRIC_ENGINE_WAITING, METRIC_PENDING_LINES
-from app.batch.store import open_batch_store
+from app.batch.open_store import open_batch_store
 from app.lanes.cold import ColdLane
 from app.lanes.types import EngineStats
 

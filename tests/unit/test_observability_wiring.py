@@ -185,7 +185,7 @@ class FakeLane:
 
 def make_router(tmp_path, tracing_exporter=None, **cfg_extra):
     """A Router object with its real request path and fakes around it (no __init__: no Serve, no tokenizer load)."""
-    from app.batch.store import open_batch_store
+    from app.batch.open_store import open_batch_store
     from app.router.control import TrafficControl
     from app.router.http import Router
 
