@@ -41,16 +41,9 @@ def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str,
     return {
         "request_router_class": "app.prefix_cache.request_router:PrefixAffinityRouter",
         "request_router_kwargs": {
+            # The typed prefix_cache settings (the router validates them back into PrefixCacheConfig).
+            "settings": settings.model_dump(mode="json"),
             "block_size": lane.engine.block_size,
-            "min_prefix_tokens": settings.min_prefix_tokens,
-            "match_threshold": settings.match_threshold,
-            "max_queue_imbalance": settings.max_queue_imbalance,
-            "kv_usage_weight": settings.kv_usage_weight,
-            "lookup_timeout_s": settings.lookup_timeout_s,
-            "lookup_mode": settings.lookup,
-            "mirror_sync_interval_s": settings.mirror_sync_interval_s,
-            "mirror_max_staleness_s": settings.mirror_max_staleness_s,
-            "max_index_entries": settings.max_entries,
             # Only the hot lane keeps replicas for realtime requests (the cold lane serves none).
             "realtime_reserved_replicas": cfg.admission.realtime_reserved_hot_replicas if lane is cfg.hot_lane else 0,
         },

@@ -17,9 +17,13 @@ Load-only routing is power-of-two-choices on `load_score`:
     load_score = queue_len + kv_usage_weight * kv_usage
 
 `queue_len` is the replica's ongoing requests (what Ray Serve tracks); `kv_usage` is the fraction (0..1) of the
-replica engine's KV cache in use. With the default weight of 8, a full KV cache counts like 8 more queued requests:
+replica engine's KV cache in use. With the schema's weight of 8, a full KV cache counts like 8 more queued requests:
 a replica near KV exhaustion must preempt or hold new sequences back, so between two equally queued replicas the one
-with free KV memory serves the next prompt sooner.
+with free KV memory serves the next prompt sooner. `max_queue_imbalance` bounds how many more ongoing requests the
+affinity target may have than the least-loaded candidate: beyond it, the time a request waits in that queue costs
+more than re-computing the prefix elsewhere.
+
+The values are the settings of `prefix_cache` (app.config.PrefixCacheConfig, the tuning guide's defaults).
 """
 
 from __future__ import annotations
@@ -29,14 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-# A full KV cache weighs like this many extra queued requests in the load score (see the module docstring).
-DEFAULT_KV_USAGE_WEIGHT = 8.0
-# The tuning guide's prefix-cache rules.
-DEFAULT_MIN_PREFIX_TOKENS = 1024
-DEFAULT_MATCH_THRESHOLD = 0.85
-# How many more ongoing requests the affinity target may have than the least-loaded candidate. Beyond this, the time
-# a request waits in that queue costs more than re-computing the prefix elsewhere.
-DEFAULT_MAX_QUEUE_IMBALANCE = 4
+from app.config import PrefixCacheConfig
 
 
 class RoutingReason(str, Enum):
@@ -57,10 +54,15 @@ class ReplicaLoad:
 
 @dataclass(frozen=True)
 class AffinityPolicy:
-    min_prefix_tokens: int = DEFAULT_MIN_PREFIX_TOKENS
-    match_threshold: float = DEFAULT_MATCH_THRESHOLD
-    max_queue_imbalance: int = DEFAULT_MAX_QUEUE_IMBALANCE
-    kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT
+    min_prefix_tokens: int
+    match_threshold: float
+    max_queue_imbalance: int
+    kv_usage_weight: float
+
+    @classmethod
+    def from_settings(cls, settings: PrefixCacheConfig) -> "AffinityPolicy":
+        return cls(settings.min_prefix_tokens, settings.match_threshold, settings.max_queue_imbalance,
+                   settings.kv_usage_weight)
 
     def __post_init__(self) -> None:
         if self.min_prefix_tokens < 1:
@@ -81,13 +83,13 @@ class RoutingDecision:
     matched_tokens: int = 0  # matched tokens of the chosen replica
 
 
-def load_score(load: ReplicaLoad, kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT) -> float:
+def load_score(load: ReplicaLoad, kv_usage_weight: float) -> float:
     kv_usage = min(max(load.kv_usage, 0.0), 1.0)
     return load.queue_len + kv_usage_weight * kv_usage
 
 
 def power_of_two_choice(
-    candidates: Sequence[ReplicaLoad], rng: random.Random, kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT
+    candidates: Sequence[ReplicaLoad], rng: random.Random, kv_usage_weight: float
 ) -> ReplicaLoad:
     """The lower-scored of two distinct random candidates (the only one if there is one)."""
     if not candidates:

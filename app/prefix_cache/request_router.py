@@ -5,8 +5,8 @@ Plug into a lane deployment:
     from ray.serve.config import RequestRouterConfig
     request_router_config=RequestRouterConfig(
         request_router_class="app.prefix_cache.request_router:PrefixAffinityRouter",  # or the class itself
-        request_router_kwargs={"block_size": 32, "min_prefix_tokens": 1024, "match_threshold": 0.85,
-                               "max_queue_imbalance": 4, "lookup_timeout_s": 0.005},
+        request_router_kwargs={"settings": cfg.prefix_cache.model_dump(mode="json"),  # app.config.PrefixCacheConfig
+                               "block_size": 32, "realtime_reserved_replicas": 0},
         request_routing_stats_period_s=1.0,   # how often Serve calls the replica's record_routing_stats()
     )
 
@@ -14,7 +14,8 @@ Per request (`choose_replicas`): read `prompt_token_ids` from the request's firs
 dict; keyword arguments are searched too), hash its full blocks (index.block_hashes), look them up in this process's
 copy of the index (`lookup_mode="local_mirror"`, mirror.py, synced from the PrefixCache every
 `mirror_sync_interval_s`) or, with `lookup_mode="remote"`, ask the PrefixCache deployment
-`lookup(hashes, block_size) -> list[(replica_id, matched_tokens)]` under `asyncio.wait_for` with a small budget,
+`lookup(hashes, block_size) -> list[(replica_id, matched_tokens)]` under `asyncio.wait_for` with a small budget
+(`lookup_timeout_s`),
 and apply policy.decide on the candidates' loads: queue length from Serve's queue-length cache (probing replicas
 missing from it) and `kv_usage` from the replica's routing stats. A stale copy, a timeout, an error or a PrefixCache
 handle not yet ready all mean load-only routing: no request waits on, or fails because of, the prefix cache. Nothing
@@ -41,6 +42,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from app.config import PrefixCacheConfig
 from app.lanes.replica_stats import KV_USAGE_STAT
 from app.prefix_cache.decision_stats import (  # noqa: F401  (re-exported for the lead)
     DecisionStats,
@@ -52,10 +54,6 @@ from app.prefix_cache.decision_stats import (  # noqa: F401  (re-exported for th
 from app.prefix_cache.index import BlockHash, block_hashes
 from app.prefix_cache.mirror import IndexMirror, shared_mirror
 from app.prefix_cache.policy import (
-    DEFAULT_KV_USAGE_WEIGHT,
-    DEFAULT_MATCH_THRESHOLD,
-    DEFAULT_MAX_QUEUE_IMBALANCE,
-    DEFAULT_MIN_PREFIX_TOKENS,
     AffinityPolicy,
     ReplicaLoad,
     RoutingDecision,
@@ -68,12 +66,8 @@ logger = logging.getLogger(__name__)
 PREFIX_CACHE_DEPLOYMENT = "PrefixCache"
 LOOKUP_METHOD = "lookup"
 CHANGES_METHOD = "changes_since"
-LOOKUP_MODES = ("local_mirror", "remote")
-DEFAULT_LOOKUP_TIMEOUT_S = 0.005
 PROMPT_TOKEN_IDS_FIELD = "prompt_token_ids"
 REQUEST_CLASS_FIELD = "request_class"
-# Routed-request hashes kept for the approximate feed until Serve confirms the routing.
-MAX_PENDING_ROUTED = 4096
 
 PrefixLookup = Callable[[list[BlockHash], int], Awaitable[Sequence[tuple[str, int]]]]
 
@@ -183,58 +177,44 @@ def _handle_routers_run_in_separate_loop() -> bool:
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(
         self,
-        block_size: int = 32,
-        min_prefix_tokens: int = DEFAULT_MIN_PREFIX_TOKENS,
-        match_threshold: float = DEFAULT_MATCH_THRESHOLD,
-        max_queue_imbalance: int = DEFAULT_MAX_QUEUE_IMBALANCE,
-        kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
-        lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+        settings: Mapping[str, Any] | PrefixCacheConfig,
+        block_size: int,
+        realtime_reserved_replicas: int,
         prefix_cache_deployment: str = PREFIX_CACHE_DEPLOYMENT,
         prefix_cache_app: str | None = None,
-        routed_prefix_method: str | None = None,
         seed: int | None = None,
-        lookup_mode: str = "local_mirror",
-        mirror_sync_interval_s: float = 0.1,
-        mirror_max_staleness_s: float = 2.0,
-        max_index_entries: int = 200_000,
-        realtime_reserved_replicas: int = 0,
     ) -> None:
-        """Serve calls this with `request_router_kwargs`. `routed_prefix_method`, when set, turns on the
-        approximate feed: after Serve confirms where a long prompt went, call
-        `PrefixCache.<routed_prefix_method>(replica_id, hashes, block_size)` without waiting for it."""
-        if block_size < 1 or lookup_timeout_s <= 0:
-            raise ValueError("block_size must be >= 1 and lookup_timeout_s > 0")
-        if lookup_mode not in LOOKUP_MODES:
-            raise ValueError(f"lookup_mode={lookup_mode!r}: use one of {LOOKUP_MODES}")
+        """Serve calls this with `request_router_kwargs`: `settings` is the app's `prefix_cache` block (a
+        PrefixCacheConfig or its JSON dump), `block_size` the lane engine's, `realtime_reserved_replicas` the lane's
+        share of admission.realtime_reserved_hot_replicas (0 off the hot lane)."""
+        if not isinstance(settings, PrefixCacheConfig):
+            settings = PrefixCacheConfig.model_validate(settings)
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
         if realtime_reserved_replicas < 0:
             raise ValueError(f"realtime_reserved_replicas={realtime_reserved_replicas} must be >= 0")
+        self.settings = settings
         self.realtime_reserved_replicas = realtime_reserved_replicas
         self.block_size = block_size
-        self.lookup_mode = lookup_mode
-        self.mirror_sync_interval_s = mirror_sync_interval_s
-        self.mirror_max_staleness_s = mirror_max_staleness_s
-        self.max_index_entries = max_index_entries
+        self.lookup_mode = settings.lookup
+        self.mirror_sync_interval_s = settings.mirror_sync_interval_s
+        self.mirror_max_staleness_s = settings.mirror_max_staleness_s
+        self.max_index_entries = settings.max_entries
         self._mirror: IndexMirror | None = None
-        self.policy = AffinityPolicy(min_prefix_tokens, match_threshold, max_queue_imbalance, kv_usage_weight)
-        self.lookup_timeout_s = lookup_timeout_s
+        self.policy = AffinityPolicy.from_settings(settings)
+        self.lookup_timeout_s = settings.lookup_timeout_s
         self._prefix_cache_deployment = prefix_cache_deployment
         self._prefix_cache_app = prefix_cache_app
-        self._routed_prefix_method = routed_prefix_method
         self._rng = random.Random(seed)
         self._lookup: PrefixLookup | None = None
-        self._report_routed: Callable[[str, list[BlockHash], int], None] | None = None
         self._handle_creation: asyncio.Future | None = None
         self._lookup_injected = False
-        self._routed_hashes: dict[str, list[BlockHash]] = {}
         self.stats = decision_stats(self._deployment_id.name)
 
     # Tests and the lead may inject the lookup (e.g. a function over a local PrefixIndex) instead of the handle.
-    def set_prefix_lookup(
-        self, lookup: PrefixLookup | None, report_routed: Callable[[str, list[BlockHash], int], None] | None = None
-    ) -> None:
-        """Use these instead of the PrefixCache handle (None: no prefix cache at all, always load-only)."""
+    def set_prefix_lookup(self, lookup: PrefixLookup | None) -> None:
+        """Use this instead of the PrefixCache handle (None: no prefix cache at all, always load-only)."""
         self._lookup = lookup
-        self._report_routed = report_routed
         self._lookup_injected = True
 
     def _uses_mirror(self) -> bool:
@@ -257,8 +237,9 @@ class PrefixAffinityRouter(RequestRouter):
                 self._handle_creation.set_exception(error)
         self._handle_creation.add_done_callback(self._on_handle_created)
 
-    def _create_prefix_cache_handle(self) -> tuple[PrefixLookup, Callable[[str, list[BlockHash], int], None] | None,
-                                                   Callable[[str | None, int], Awaitable[dict[str, Any]]]]:
+    def _create_prefix_cache_handle(
+        self,
+    ) -> tuple[PrefixLookup, Callable[[str | None, int], Awaitable[dict[str, Any]]]]:
         # Runs in a worker thread when Serve runs handle routers on their own loop: initialising a handle there
         # creates its router and waits on that loop.
         from ray.serve.handle import DeploymentHandle
@@ -275,14 +256,7 @@ class PrefixAffinityRouter(RequestRouter):
         async def pull_changes(epoch: str | None, seq: int) -> dict[str, Any]:
             return await changes_handle.remote(epoch, seq)
 
-        report = None
-        if self._routed_prefix_method:
-            routed_handle = handle.options(method_name=self._routed_prefix_method)
-
-            def report(replica_id: str, hashes: list[BlockHash], block_size: int) -> None:
-                routed_handle.remote(replica_id, hashes, block_size)  # fire and forget
-
-        return lookup, report, pull_changes
+        return lookup, pull_changes
 
     def _on_handle_created(self, future: asyncio.Future) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -290,7 +264,7 @@ class PrefixAffinityRouter(RequestRouter):
                            self._prefix_cache_deployment, None if future.cancelled() else future.exception())
             self._handle_creation = None
             return
-        self._lookup, self._report_routed, pull_changes = future.result()
+        self._lookup, pull_changes = future.result()
         if self.lookup_mode == "local_mirror":
             app_name = self._prefix_cache_app if self._prefix_cache_app is not None else self._deployment_id.app_name
             self._mirror, owner = shared_mirror(app_name, self._prefix_cache_deployment, self.max_index_entries,
@@ -344,7 +318,6 @@ class PrefixAffinityRouter(RequestRouter):
         token_ids = (
             extract_prompt_token_ids(pending_request.args, pending_request.kwargs) if pending_request else None
         ) or []
-        hashes: list[BlockHash] = []
         matched: dict[str, int] | None = None
         if len(token_ids) >= self.policy.min_prefix_tokens:
             hashes = block_hashes(token_ids, self.block_size)
@@ -363,8 +336,6 @@ class PrefixAffinityRouter(RequestRouter):
         loads, fallback = self._apply_reserve(candidate_replicas, loads, pending_request)
         decision = decide(len(token_ids), [load for _, load in loads], matched, self.policy, self._rng)
         self.record_decision(decision, time.perf_counter() - started)
-        if hashes and pending_request is not None and (self._routed_prefix_method or self._report_routed):
-            self._remember_routed(pending_request.metadata.internal_request_id, hashes)
         replicas = [replica for replica, _ in loads]
         return rank_replicas(replicas, decision.replica_id, lambda r: r.replica_id.to_full_id_str(), fallback)
 
@@ -392,16 +363,3 @@ class PrefixAffinityRouter(RequestRouter):
     def record_decision(self, decision: RoutingDecision, elapsed_s: float) -> None:
         self.stats.observe(decision, elapsed_s)
         notify_decision_observers(self._deployment_id.name, decision, elapsed_s)
-
-    def _remember_routed(self, internal_request_id: str, hashes: list[BlockHash]) -> None:
-        if len(self._routed_hashes) >= MAX_PENDING_ROUTED:
-            self._routed_hashes.pop(next(iter(self._routed_hashes)))
-        self._routed_hashes[internal_request_id] = hashes
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        hashes = self._routed_hashes.pop(pending_request.metadata.internal_request_id, None)
-        if hashes and self._report_routed is not None:
-            try:
-                self._report_routed(replica_id.to_full_id_str(), hashes, self.block_size)
-            except Exception:
-                logger.debug("approximate prefix feed failed", exc_info=True)

@@ -186,7 +186,7 @@ def test_lanes_use_the_affinity_router_by_default_and_serves_pow2_when_asked():
     cfg = load_app_config(cpu_args(**{"prefix_cache.match_threshold": 0.9}))
     options = lane_deployment_options(cfg.cold_lane, cfg)
     router = options["request_router_config"]
-    assert router.request_router_kwargs["match_threshold"] == 0.9
+    assert router.request_router_kwargs["settings"]["match_threshold"] == 0.9
     assert router.request_router_kwargs["block_size"] == cfg.cold_lane.engine.block_size
     assert router.request_routing_stats_period_s == 1.0
     pow2 = load_app_config(cpu_args(**{"prefix_cache.routing": "pow2"}))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from app.config import PrefixCacheConfig
 from app.prefix_cache.index import PrefixIndex, block_hashes
 from app.prefix_cache.policy import (
     AffinityPolicy,
@@ -92,16 +93,17 @@ def test_power_of_two_prefers_lower_score_and_spreads_load():
     assert picks["busy"] == 0
     assert picks["idle"] == pytest.approx(2000, rel=0.1)
     assert picks["mid"] > 0 and picks["kvfull"] < picks["idle"]
-    assert power_of_two_choice(candidates[:1], rng).replica_id == "busy"
+    assert power_of_two_choice(candidates[:1], rng, 8.0).replica_id == "busy"
     with pytest.raises(ValueError):
-        power_of_two_choice([], rng)
+        power_of_two_choice([], rng, 8.0)
 
 
 def test_policy_validation():
     for bad in ({"match_threshold": 0}, {"match_threshold": 1.01}, {"min_prefix_tokens": 0},
                 {"max_queue_imbalance": -1}, {"kv_usage_weight": -1}):
         with pytest.raises(ValueError):
-            AffinityPolicy(**bad)
+            AffinityPolicy(**{"min_prefix_tokens": 1024, "match_threshold": 0.85, "max_queue_imbalance": 4,
+                              "kv_usage_weight": 8.0, **bad})
     with pytest.raises(ValueError):
         decide(2000, [], {}, POLICY, random.Random(0))
 
@@ -147,11 +149,13 @@ class LaneRequest:
     request_class: str = "interactive"
 
 
-def make_router(**kwargs) -> rr.PrefixAffinityRouter:
+def make_router(realtime_reserved_replicas: int = 0, **settings) -> rr.PrefixAffinityRouter:
+    """A router over the schema's prefix_cache settings, with `settings` overriding some of them."""
     router = rr.PrefixAffinityRouter(
         deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True
     )
-    router.initialize_state(block_size=BLOCK, seed=7, **kwargs)
+    router.initialize_state(settings=PrefixCacheConfig(**settings).model_dump(mode="json"), block_size=BLOCK,
+                            realtime_reserved_replicas=realtime_reserved_replicas, seed=7)
     router.stats = rr.DecisionStats()  # the process-wide one is shared by every router of "HotLane"
     return router
 
@@ -258,23 +262,19 @@ async def test_full_or_silent_replicas_are_left_out():
     assert router.stats.reasons == {"no_match": 1}
 
 
-async def test_observer_hook_and_approximate_feed():
+async def test_observer_hook():
     a, b = FakeReplica("a"), FakeReplica("b")
-    seen, reported = [], []
+    seen = []
     observer = lambda name, decision, elapsed: seen.append((name, decision.reason.value, elapsed))  # noqa: E731
     rr.add_decision_observer(observer)
     try:
         router = make_router()
-        router.set_prefix_lookup(index_lookup(PrefixIndex()), report_routed=lambda *args: reported.append(args))
+        router.set_prefix_lookup(index_lookup(PrefixIndex()))
         request = pending(LaneRequest(PROMPT), "feed-1")
-        ranks = await router.choose_replicas([a, b], request)
-        router.on_request_routed(request, ranks[0][0].replica_id, result=None)
+        await router.choose_replicas([a, b], request)
     finally:
         rr.remove_decision_observer(observer)
     assert seen and seen[0][0] == "HotLane" and seen[0][1] == "no_match" and seen[0][2] >= 0
-    assert len(reported) == 1
-    replica_id, hashes, block_size = reported[0]
-    assert replica_id == ranks[0][0].full_id and hashes == block_hashes(PROMPT, BLOCK) and block_size == BLOCK
     assert request.routing_context.should_backoff  # retries back off instead of spinning
 
 
@@ -283,14 +283,15 @@ async def test_affinity_keeps_a_shared_prefix_group_on_one_replica():
     replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
     index = PrefixIndex()
     router = make_router()
-    router.set_prefix_lookup(index_lookup(index), report_routed=lambda rid, hashes, bs: index.add(rid, hashes))
+    router.set_prefix_lookup(index_lookup(index))
     system = list(range(100_000, 100_000 + 1024))
     chosen = []
     for i in range(10):
         prompt = system + [7, 8, 9, i]  # ratio 1024 / 1028 >= 0.85
         request = pending(LaneRequest(prompt), f"g{i}")
         ranks = await router.choose_replicas(replicas, request)
-        router.on_request_routed(request, ranks[0][0].replica_id, result=None)
+        # The replica records the prompt it admitted (what the feeds do), under its full id.
+        index.add(ranks[0][0].full_id, block_hashes(prompt, BLOCK))
         chosen.append(ranks[0][0].unique_id)
     assert len(set(chosen[1:])) == 1 and chosen[1] == chosen[0]
     assert router.stats.reasons["affinity"] == 9
@@ -298,12 +299,18 @@ async def test_affinity_keeps_a_shared_prefix_group_on_one_replica():
 
 def test_initialize_state_rejects_unknown_and_bad_kwargs():
     router = rr.PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA)
+    settings = PrefixCacheConfig().model_dump(mode="json")
     with pytest.raises(TypeError):
-        router.initialize_state(block_sise=32)
+        router.initialize_state(settings=settings, block_sise=32, realtime_reserved_replicas=0)
     with pytest.raises(ValueError):
-        router.initialize_state(match_threshold=1.5)
+        router.initialize_state(settings={**settings, "match_threshold": 1.5}, block_size=32,
+                                realtime_reserved_replicas=0)
     with pytest.raises(ValueError):
-        router.initialize_state(lookup_timeout_s=0)
+        router.initialize_state(settings={**settings, "lookup_timeout_s": 0}, block_size=32,
+                                realtime_reserved_replicas=0)
+    with pytest.raises(ValueError):
+        router.initialize_state(settings={**settings, "match_thresold": 0.9}, block_size=32,
+                                realtime_reserved_replicas=0)
 
 
 def test_plugs_into_serves_request_router_config(tmp_path):
@@ -322,7 +329,8 @@ def test_plugs_into_serves_request_router_config(tmp_path):
     try:
         config = RequestRouterConfig(
             request_router_class="app.prefix_cache.request_router:PrefixAffinityRouter",
-            request_router_kwargs={"block_size": 32, "lookup_timeout_s": 0.005},
+            request_router_kwargs={"settings": PrefixCacheConfig().model_dump(mode="json"), "block_size": 32,
+                                   "realtime_reserved_replicas": 0},
             request_routing_stats_period_s=1.0,
         )
     finally:
@@ -338,7 +346,7 @@ cls = pickle.loads(open({str(tmp_path / "router.pkl")!r}, "rb").read())
 seen = []
 decision_stats.add_decision_observer(lambda name, decision, elapsed: seen.append(name))
 router = cls(deployment_id=DeploymentID(name="ColdLane", app_name="a"), handle_source=DeploymentHandleSource.REPLICA)
-router.initialize_state(block_size=32)
+router.initialize_state(settings={{}}, block_size=32, realtime_reserved_replicas=0)
 router.record_decision(RoutingDecision("r", RoutingReason.SHORT_PROMPT, 0.0), 0.001)
 assert seen == ["ColdLane"], seen
 assert decision_stats.decision_stats("ColdLane").reasons == {{"short_prompt": 1}}
@@ -356,7 +364,7 @@ async def test_prefix_cache_handle_is_made_where_serve_routes(monkeypatch, separ
     # Patched at the source the router reads at call time (a module attribute patch on `rr` would not reach a copy
     # of the router module that an earlier test had Serve pickle by value).
     monkeypatch.setattr("ray.serve._private.constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", separate_loop)
-    router = make_router(lookup_mode="remote")
+    router = make_router(lookup="remote")
     made_on = []
 
     async def lookup(hashes, block_size):
@@ -364,7 +372,7 @@ async def test_prefix_cache_handle_is_made_where_serve_routes(monkeypatch, separ
 
     def create():
         made_on.append(threading.get_ident())
-        return lookup, None, None
+        return lookup, None
 
     monkeypatch.setattr(router, "_create_prefix_cache_handle", create)
     router._ensure_prefix_lookup()
