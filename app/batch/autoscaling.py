@@ -12,17 +12,19 @@ Ray 2.60 wiring (verified against ray/serve/autoscaling_policy.py and _private/a
 - a custom policy is `policy(ctx: AutoscalingContext) -> tuple[int | float, dict]`; a *class* is instantiated once
   with `policy_kwargs` and then called per tick, which is how configuration reaches ColdLanePolicy;
 - Ray wraps every custom policy with its own upscale_delay_s / downscale_delay_s / downscale_to_zero_delay_s and
-  min/max bounds (`_apply_autoscaling_config`), so the adapters return the undelayed target; the delay logic here
-  (`apply_scale_delays`) is for callers outside Ray and would double the delays inside it;
+  min/max bounds (`_apply_autoscaling_config`), so the adapter returns the undelayed target within the bounds Ray
+  hands it (ctx.capacity_adjusted_min_replicas / _max_replicas);
 - replicas report custom metrics by defining `record_autoscaling_stats(self) -> dict[str, float]` (sync or async) on
   the deployment class; the controller hands them to the policy as ctx.aggregated_metrics[name][replica_id].
-This module imports nothing from Ray at run time: Ray pickles the policy's module by value into the controller.
+This module imports nothing from Ray, nor from the rest of the app, at run time: Ray pickles the policy's module by
+value into the controller. Its targets are the schema's `autoscaling.queue_depth` (app.config.QueueDepthTargets),
+passed by app.main as policy_kwargs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:  # only for annotations; the controller needs no import of ours
@@ -36,32 +38,24 @@ METRIC_ENGINE_WAITING = "llm_lanes_engine_waiting_requests"
 
 @dataclass(frozen=True)
 class ColdLaneScalingConfig:
-    min_replicas: int = 1
-    max_replicas: int = 2
+    """The queue-depth targets: the fields of app.config.QueueDepthTargets (their defaults live there)."""
+
     # One replica per this many pending batch lines (queued + in flight).
-    target_lines_per_replica: float = 256.0
+    target_lines_per_replica: float
     # One replica per this many backlog tokens (prompt + completion estimates of pending lines).
-    target_backlog_tokens_per_replica: float = 262_144.0
+    target_backlog_tokens_per_replica: float
     # Waiting requests one replica's engine may hold before it counts as saturated.
-    target_waiting_per_replica: float = 8.0
+    target_waiting_per_replica: float
     # Requests in flight per replica (the concurrency window's upper bound).
-    target_ongoing_per_replica: float = 32.0
+    target_ongoing_per_replica: float
     # Allow 0 replicas when there is no work at all (Ray also needs min_replicas: 0 in autoscaling_config).
-    scale_to_zero: bool = False
-    upscale_delay_s: float = 10.0
-    downscale_delay_s: float = 60.0
+    scale_to_zero: bool
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError(
-                f"need 0 <= min_replicas <= max_replicas >= 1, got {self.min_replicas}..{self.max_replicas}"
-            )
         for name in ("target_lines_per_replica", "target_backlog_tokens_per_replica", "target_waiting_per_replica",
                      "target_ongoing_per_replica"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
-            raise ValueError("delays must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -76,8 +70,9 @@ class ColdLaneSignals:
         return not (self.pending_lines or self.backlog_tokens or self.engine_waiting_requests or self.ongoing_requests)
 
 
-def target_replicas(current_replicas: int, signals: ColdLaneSignals, config: ColdLaneScalingConfig) -> int:
-    """Replicas the cold lane needs for these signals right now (no delays), within [min, max]."""
+def target_replicas(current_replicas: int, signals: ColdLaneSignals, config: ColdLaneScalingConfig,
+                    min_replicas: int, max_replicas: int) -> int:
+    """Replicas the cold lane needs for these signals right now (no delays), within [min_replicas, max_replicas]."""
     by_lines = math.ceil(signals.pending_lines / config.target_lines_per_replica)
     by_tokens = math.ceil(signals.backlog_tokens / config.target_backlog_tokens_per_replica)
     by_ongoing = math.ceil(signals.ongoing_requests / config.target_ongoing_per_replica)
@@ -87,45 +82,8 @@ def target_replicas(current_replicas: int, signals: ColdLaneSignals, config: Col
     by_waiting = (current_replicas + math.ceil(excess_waiting / config.target_waiting_per_replica)
                   if excess_waiting > 0 else 0)
     wanted = max(by_lines, by_tokens, by_ongoing, by_waiting)
-    floor = 0 if (config.scale_to_zero and signals.idle) else max(config.min_replicas, 1)
-    return min(config.max_replicas, max(floor, wanted))
-
-
-@dataclass(frozen=True)
-class ScaleTimer:
-    """Since when the target has pointed up (direction 1) or down (-1); None when it matches the current count."""
-
-    direction: int = 0
-    since: float | None = None
-
-
-@dataclass(frozen=True)
-class ScalingDecision:
-    replicas: int
-    target: int  # the undelayed target
-    timer: ScaleTimer
-
-
-def apply_scale_delays(current_replicas: int, target: int, timer: ScaleTimer, now: float,
-                       config: ColdLaneScalingConfig) -> ScalingDecision:
-    """Move to `target` only once it has pointed the same way for upscale_delay_s (up) or downscale_delay_s (down).
-    Going from 0 replicas to any is immediate: queued work must never wait a delay for its first replica."""
-    if target == current_replicas:
-        return ScalingDecision(current_replicas, target, ScaleTimer())
-    direction = 1 if target > current_replicas else -1
-    if current_replicas == 0:
-        return ScalingDecision(target, target, ScaleTimer())
-    since = timer.since if timer.direction == direction and timer.since is not None else now
-    delay = config.upscale_delay_s if direction > 0 else config.downscale_delay_s
-    if now - since >= delay:
-        return ScalingDecision(target, target, ScaleTimer())
-    return ScalingDecision(current_replicas, target, ScaleTimer(direction, since))
-
-
-def desired_replicas(current_replicas: int, signals: ColdLaneSignals, config: ColdLaneScalingConfig,
-                     timer: ScaleTimer, now: float) -> ScalingDecision:
-    """The whole decision outside Ray: undelayed target, then up/down delays."""
-    return apply_scale_delays(current_replicas, target_replicas(current_replicas, signals, config), timer, now, config)
+    floor = 0 if (config.scale_to_zero and signals.idle) else max(min_replicas, 1)
+    return min(max(max_replicas, 1), max(floor, wanted))
 
 
 # --- Ray Serve 2.60 adapters ----------------------------------------------------------------------------------------
@@ -173,35 +131,11 @@ class ColdLanePolicy:
         self.config = _config_from_kwargs(policy_kwargs)
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict[str, Any]]:
-        bounded = replace(self.config, min_replicas=ctx.capacity_adjusted_min_replicas,
-                          max_replicas=max(ctx.capacity_adjusted_max_replicas, 1))
         signals = signals_from_context(ctx)
-        target = target_replicas(ctx.current_num_replicas, signals, bounded)
+        target = target_replicas(ctx.current_num_replicas, signals, self.config, ctx.capacity_adjusted_min_replicas,
+                                 ctx.capacity_adjusted_max_replicas)
         # Returned state is kept by Ray between ticks (merged with its own delay bookkeeping); for inspection only.
         return target, {"llm_lanes_cold_target": target, "llm_lanes_cold_pending_lines": signals.pending_lines}
-
-
-class ColdLaneAppPolicy:
-    """Application-level variant (serve config `applications[0].autoscaling_policy`): reads the backlog metrics from
-    any deployment that reports them (e.g. the Router, which owns the dispatcher) and decides for ColdLane only.
-    Ray passes only deployments that have an autoscaling_config, so the reporting deployment needs one too."""
-
-    def __init__(self, cold_deployment_name: str = "ColdLane", **policy_kwargs: Any):
-        self.cold_deployment_name = cold_deployment_name
-        self.config = _config_from_kwargs(policy_kwargs)
-
-    def __call__(self, contexts: Mapping[Any, "AutoscalingContext"]) -> tuple[dict[Any, int], dict[Any, dict]]:
-        cold_id = next((d for d, c in contexts.items() if c.deployment_name == self.cold_deployment_name), None)
-        if cold_id is None:
-            return {}, {}
-        cold = contexts[cold_id]
-        pending = max((v for c in contexts.values() for v in _metric_values(c, METRIC_PENDING_LINES)), default=0.0)
-        tokens = max((v for c in contexts.values() for v in _metric_values(c, METRIC_BACKLOG_TOKENS)), default=0.0)
-        signals = replace(signals_from_context(cold), pending_lines=pending, backlog_tokens=tokens)
-        bounded = replace(self.config, min_replicas=cold.capacity_adjusted_min_replicas,
-                          max_replicas=max(cold.capacity_adjusted_max_replicas, 1))
-        target = target_replicas(cold.current_num_replicas, signals, bounded)
-        return {cold_id: target}, {cold_id: {"llm_lanes_cold_target": target}}
 
 
 def autoscaling_stats(pending_lines: int, backlog_tokens: int, engine_waiting_requests: int) -> dict[str, float]:

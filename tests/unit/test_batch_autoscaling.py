@@ -1,19 +1,19 @@
-"""Queue-depth autoscaling: the pure target function, its delays, and the Ray Serve 2.60 adapter (driven through
-Ray's own policy loading and wrapping code, without starting Ray)."""
+"""Queue-depth autoscaling: the pure target function and the Ray Serve 2.60 adapter (driven through Ray's own policy
+loading and wrapping code, which applies the delays and bounds, without starting Ray)."""
 
 from __future__ import annotations
 
 import pytest
 
 from app.batch.autoscaling import (
-    METRIC_BACKLOG_TOKENS, METRIC_ENGINE_WAITING, METRIC_PENDING_LINES, ColdLaneAppPolicy, ColdLanePolicy,
-    ColdLaneScalingConfig, ColdLaneSignals, ScaleTimer, apply_scale_delays, autoscaling_stats, desired_replicas,
-    target_replicas,
+    METRIC_BACKLOG_TOKENS, METRIC_ENGINE_WAITING, METRIC_PENDING_LINES, ColdLanePolicy, ColdLaneScalingConfig,
+    ColdLaneSignals, autoscaling_stats, target_replicas,
 )
+from app.config import QueueDepthTargets
 
-CONFIG = ColdLaneScalingConfig(min_replicas=1, max_replicas=4, target_lines_per_replica=100,
-                               target_backlog_tokens_per_replica=10_000, target_waiting_per_replica=8,
-                               target_ongoing_per_replica=32, upscale_delay_s=10, downscale_delay_s=60)
+TARGETS = {"target_lines_per_replica": 100, "target_backlog_tokens_per_replica": 10_000,
+           "target_waiting_per_replica": 8, "target_ongoing_per_replica": 32}
+CONFIG = ColdLaneScalingConfig(**TARGETS, scale_to_zero=False)
 
 
 @pytest.mark.parametrize("signals, current, expected", [
@@ -30,49 +30,26 @@ CONFIG = ColdLaneScalingConfig(min_replicas=1, max_replicas=4, target_lines_per_
     (ColdLaneSignals(pending_lines=50), 3, 1),                     # backlog drained: scale down
 ])
 def test_target_replicas(signals, current, expected):
-    assert target_replicas(current, signals, CONFIG) == expected
+    assert target_replicas(current, signals, CONFIG, 1, 4) == expected
 
 
 def test_scale_to_zero_only_when_idle_and_enabled():
-    zero = ColdLaneScalingConfig(min_replicas=0, max_replicas=2, scale_to_zero=True)
-    assert target_replicas(1, ColdLaneSignals(), zero) == 0
-    assert target_replicas(0, ColdLaneSignals(pending_lines=1), zero) == 1
-    assert target_replicas(1, ColdLaneSignals(ongoing_requests=1), zero) == 1
-    no_zero = ColdLaneScalingConfig(min_replicas=0, max_replicas=2, scale_to_zero=False)
-    assert target_replicas(1, ColdLaneSignals(), no_zero) == 1
-
-
-def test_up_and_down_delays():
-    busy = ColdLaneSignals(pending_lines=300)
-    decision = desired_replicas(1, busy, CONFIG, ScaleTimer(), now=100.0)
-    assert (decision.replicas, decision.target) == (1, 3) and decision.timer == ScaleTimer(1, 100.0)
-    decision = desired_replicas(1, busy, CONFIG, decision.timer, now=109.0)
-    assert decision.replicas == 1
-    decision = desired_replicas(1, busy, CONFIG, decision.timer, now=110.0)
-    assert decision.replicas == 3 and decision.timer == ScaleTimer()
-    # Backlog drains: hold for downscale_delay_s, and a blip back up resets the timer.
-    idle = ColdLaneSignals()
-    decision = desired_replicas(3, idle, CONFIG, ScaleTimer(), now=200.0)
-    assert decision.replicas == 3 and decision.timer == ScaleTimer(-1, 200.0)
-    blip = desired_replicas(3, ColdLaneSignals(pending_lines=400), CONFIG, decision.timer, now=230.0)
-    assert blip.timer == ScaleTimer(1, 230.0)
-    decision = desired_replicas(3, idle, CONFIG, blip.timer, now=240.0)
-    assert decision.timer == ScaleTimer(-1, 240.0)
-    assert desired_replicas(3, idle, CONFIG, decision.timer, now=299.0).replicas == 3
-    assert desired_replicas(3, idle, CONFIG, decision.timer, now=300.0).replicas == 1
-
-
-def test_scale_from_zero_is_immediate():
-    zero = ColdLaneScalingConfig(min_replicas=0, max_replicas=2, scale_to_zero=True, upscale_delay_s=30)
-    assert apply_scale_delays(0, 1, ScaleTimer(), 5.0, zero).replicas == 1
-    assert desired_replicas(0, ColdLaneSignals(pending_lines=1), zero, ScaleTimer(), 5.0).replicas == 1
+    zero = ColdLaneScalingConfig(**TARGETS, scale_to_zero=True)
+    assert target_replicas(1, ColdLaneSignals(), zero, 0, 2) == 0
+    assert target_replicas(0, ColdLaneSignals(pending_lines=1), zero, 0, 2) == 1
+    assert target_replicas(1, ColdLaneSignals(ongoing_requests=1), zero, 0, 2) == 1
+    assert target_replicas(1, ColdLaneSignals(), CONFIG, 0, 2) == 1
 
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        ColdLaneScalingConfig(min_replicas=3, max_replicas=2)
-    with pytest.raises(ValueError):
-        ColdLaneScalingConfig(target_lines_per_replica=0)
+        ColdLaneScalingConfig(**{**TARGETS, "target_lines_per_replica": 0}, scale_to_zero=False)
+
+
+def test_the_schema_targets_are_the_policy_kwargs():
+    """app.main passes autoscaling.queue_depth's dump as policy_kwargs: every field must be one of the policy's."""
+    policy = ColdLanePolicy(**QueueDepthTargets().model_dump())
+    assert policy.config.target_lines_per_replica == QueueDepthTargets.model_fields["target_lines_per_replica"].default
 
 
 # --- Ray Serve 2.60 adapter ---------------------------------------------------------------------------------------
@@ -83,8 +60,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
 
 POLICY_PATH = "app.batch.autoscaling:ColdLanePolicy"
-POLICY_KWARGS = {"target_lines_per_replica": 100, "target_backlog_tokens_per_replica": 10_000,
-                 "target_waiting_per_replica": 8, "target_ongoing_per_replica": 32}
+POLICY_KWARGS = {**TARGETS, "scale_to_zero": False}
 
 
 def make_context(deployment: DeploymentID, per_replica_metrics: list[dict[str, float]], *, total_requests=0.0,
@@ -148,19 +124,6 @@ def test_rays_wrapper_applies_the_upscale_delay_itself():
     replicas, state = wrapped(make_context(cold, [stats(pending=300)], config=config, max_replicas=3))
     assert replicas == 1  # Ray holds the scale-up for upscale_delay_s: the adapter must not delay again
     assert state["llm_lanes_cold_target"] == 3
-
-
-def test_app_level_policy_reads_backlog_from_router_and_decides_for_cold_lane():
-    policy = ColdLaneAppPolicy(cold_deployment_name="ColdLane", **POLICY_KWARGS)
-    router = DeploymentID(name="Router", app_name="llm-lanes")
-    cold = DeploymentID(name="ColdLane", app_name="llm-lanes")
-    contexts = {
-        router: make_context(router, [stats(pending=180, tokens=500), stats(pending=180, tokens=500)]),
-        cold: make_context(cold, [{METRIC_ENGINE_WAITING: 1.0}]),
-    }
-    decisions, state = policy(contexts)
-    assert decisions == {cold: 2} and state == {cold: {"llm_lanes_cold_target": 2}}
-    assert policy({router: contexts[router]}) == ({}, {})
 
 
 def test_autoscaling_stats_shape():
