@@ -251,15 +251,15 @@ class AdmissionConfig(StrictModel):
     realtime_kv_reserve: float = Field(0.20, ge=0, lt=1)
     # The tuning guide's "> 8K tokens degrade to the memory-efficient path": long prompts go to the cold lane.
     long_context_threshold: int = Field(8192, ge=1)
-    # Interactive requests spill to the cold lane when their predicted hot-lane queue wait exceeds this.
+    # Admitted interactive requests are to start within this: past a full hot lane, a request waits in the Router
+    # for a hot slot only when its predicted wait is within it; otherwise it spills to the cold lane (while there
+    # is spill room) or is refused with 429 (app/router/spill.py, rule 5).
     interactive_ttft_slo_s: float = Field(1.0, gt=0)
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
-    drain_rate_time_constant_s: float = Field(10.0, gt=0)
-    # Batch requests one Router replica may run on the hot lane at a time, lent by the cold lane while no interactive
-    # or realtime request waits at this Router: the hot engine's idle turns do batch work, at batch priority. 0 (the
-    # default) keeps batch off the hot lane. Each loan can lengthen the hot lane's steps by its prefill chunk.
-    hot_batch_borrow_max: int = Field(0, ge=0)
+    # Interactive requests each cold-lane replica takes on top of its batch work when the hot lane is full (they
+    # run there at interactive priority, ahead of batch). 0: the hot lane's queue or a 429 instead.
+    cold_spill_slots_per_replica: int = Field(8, ge=0)
     # An interactive request on the hot lane generates this many tokens there (its time to first token), then the
     # cold lane decodes the rest at interactive priority, in its large batch steps (app/router/handoff.py). The hot
     # lane then spends no steps on interactive decode, which is what it costs the batch work on a shared GPU; the
@@ -344,11 +344,6 @@ class BatchConfig(StrictModel):
     # Double the window (instead of +1) per interval until throughput stops improving: a short job reaches
     # window_max in a few intervals rather than one slot per interval.
     window_slow_start: bool = True
-    # False (the default): a batch-class request over HTTP or gRPC (service_tier "flex") goes to its lane at once, and
-    # the engine's queue orders a burst of them. True: it waits in the Router for a batch slot, as the Batch API's
-    # lines do (the window's share of the cold lane, plus admission.hot_batch_borrow_max loans on the hot lane), so
-    # a burst reaches the hot lane's loans as they free up, not only its first few requests.
-    flex_waits_for_window: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "BatchConfig":
@@ -361,12 +356,12 @@ class BatchConfig(StrictModel):
         return is_postgres_url(self.store)
 
 
-# Kept equal to app.observability.tracing.EXPORTERS (a unit test checks): config.py stays free of OpenTelemetry imports.
+# The exporters app.observability.tracing builds (a unit test checks they match TracingConfig.exporter's values).
 TRACING_EXPORTERS = ("none", "console", "otlp", "file", "memory")
 
 
 class TracingConfig(StrictModel):
-    """OpenTelemetry tracing, the fields of app.observability.tracing.TracingSettings (one trace per request)."""
+    """OpenTelemetry tracing (app.observability.tracing.setup_tracing; one trace per request)."""
 
     exporter: Literal["none", "console", "otlp", "file", "memory"] = Field(
         "none", description="none: no provider at all (tracing costs nothing); otlp: OTLP/HTTP to otlp_endpoint; "
@@ -418,9 +413,6 @@ class AppConfig(StrictModel):
                         f"prefix_cache.feed='kv_events' needs {lane_name}.engine.enable_prefix_caching: true (an "
                         "engine without a prefix cache sends no KV events); or set prefix_cache.feed: approximate"
                     )
-        if self.admission.hot_batch_borrow_max and (self.cold_lane is None or self.hot_lane is None):
-            raise ValueError("admission.hot_batch_borrow_max lends the cold lane's batch work to the hot lane, and "
-                             "this app has only one lane: set it to 0 or add the other lane")
         if self.admission.interactive_decode_handoff_tokens and (self.cold_lane is None or self.hot_lane is None):
             raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane "
                              "to the cold lane, and this app has only one lane: set it to 0 or add the other lane")

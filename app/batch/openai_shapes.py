@@ -19,8 +19,6 @@ BATCH_OUTPUT_PURPOSE = "batch_output"
 COMPLETION_WINDOW_PATTERN = re.compile(r"^([1-9][0-9]*)h$")
 # Rough prompt-size estimate when no tokenizer is at hand: ~4 characters per token for English BPE vocabularies.
 CHARS_PER_TOKEN_ESTIMATE = 4
-# Completion length assumed for a line that sets no max_tokens (the router's default_max_tokens mirrors this).
-DEFAULT_ESTIMATED_COMPLETION_TOKENS = 256
 
 BATCH_STATUSES = (
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled",
@@ -143,9 +141,10 @@ def parse_batch_file(content: bytes, endpoint: str) -> tuple[list[ParsedLine], l
     return valid, rejected
 
 
-def estimate_line_tokens(body: Mapping[str, Any], default_max_tokens: int = DEFAULT_ESTIMATED_COMPLETION_TOKENS) -> int:
+def estimate_line_tokens(body: Mapping[str, Any], default_max_tokens: int) -> int:
     """Tokens a line will cost the engine (prompt estimate + completion budget): the autoscaler's backlog unit.
-    An estimate on purpose: the store must not need the model's tokenizer."""
+    An estimate on purpose: the store must not need the model's tokenizer. `default_max_tokens`: the completion
+    length of a line that sets none (the Router's router.default_max_tokens)."""
     if "messages" in body and isinstance(body["messages"], list):
         text = "".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in body["messages"])
     else:

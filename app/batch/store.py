@@ -18,6 +18,7 @@ Backends: app.batch.sqlite_store.SqliteBatchStore (file path, WAL) and app.batch
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import threading
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from app.batch import openai_shapes as shapes
+from app.config import RouterConfig
 
 LINE_QUEUED = "queued"
 LINE_LEASED = "leased"
@@ -302,10 +304,12 @@ class SqlBatchStore(BatchStore):
     blob_type = "BLOB"
     float_type = "REAL"
 
-    def __init__(self, clock: Callable[[], float] = time.time,
-                 estimate_tokens: shapes.TokenEstimator = shapes.estimate_line_tokens):
+    def __init__(self, clock: Callable[[], float] = time.time, estimate_tokens: shapes.TokenEstimator | None = None):
+        """`estimate_tokens`: a line's token cost (the backlog unit); by default shapes.estimate_line_tokens with the
+        schema's router.default_max_tokens as the completion length of a line that sets none."""
         self._clock = clock
-        self._estimate_tokens = estimate_tokens
+        self._estimate_tokens = estimate_tokens or functools.partial(
+            shapes.estimate_line_tokens, default_max_tokens=RouterConfig.model_fields["default_max_tokens"].default)
         self._lock = threading.Lock()
 
     # --- backend hooks -------------------------------------------------------------------------------------------

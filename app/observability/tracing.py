@@ -19,7 +19,6 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -38,6 +37,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from app.config import TRACING_EXPORTERS, TracingConfig
+
 # Span names (the issue's list, plus the two roots that hold them together).
 SPAN_REQUEST = "request"  # Router: the whole request, SERVER kind, child of the caller's traceparent
 SPAN_CLASSIFY = "classify"
@@ -50,37 +51,9 @@ SPAN_ENGINE_QUEUE = "engine_queue"  # vLLM: arrival -> first scheduled
 SPAN_PREFILL = "prefill"  # vLLM: first scheduled -> first token
 SPAN_DECODE = "decode"  # vLLM: first token -> last token
 
-EXPORTERS = ("none", "console", "otlp", "file", "memory")
+EXPORTERS = TRACING_EXPORTERS
 TRACE_CONTEXT_FIELD = "trace_context"  # suggested name of the carrier field in handle-call requests
 INSTRUMENTATION_NAME = "llm_lanes"
-
-
-@dataclass(frozen=True)
-class TracingSettings:
-    """exporter: none | console | otlp (otlp_endpoint, OTLP/HTTP e.g. http://collector:4318/v1/traces) |
-    file (file_path: one JSON line per span, shared by all processes on a node: for integration tests) |
-    memory (in-process InMemorySpanExporter: for unit tests)."""
-
-    exporter: str = "none"
-    otlp_endpoint: str | None = None
-    file_path: str | None = None
-    sample_ratio: float = 1.0
-    service_name: str = "llm-lanes"
-
-    def __post_init__(self) -> None:
-        if self.exporter not in EXPORTERS:
-            raise ValueError(f"tracing exporter {self.exporter!r} is not one of {list(EXPORTERS)}")
-        if not 0.0 <= self.sample_ratio <= 1.0:
-            raise ValueError(f"tracing sample_ratio {self.sample_ratio} is outside [0, 1]")
-        if self.exporter == "otlp" and not self.otlp_endpoint:
-            raise ValueError("tracing exporter 'otlp' needs otlp_endpoint")
-        if self.exporter == "file" and not self.file_path:
-            raise ValueError("tracing exporter 'file' needs file_path")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "TracingSettings":
-        """From the config's tracing section (a dict or pydantic model_dump()); missing keys keep the defaults."""
-        return cls(**dict(values or {}))
 
 
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
@@ -136,7 +109,7 @@ def carrier_from_grpc_metadata(metadata: Iterable[tuple[str, Any]] | None) -> di
     return carrier
 
 
-def _make_exporter(settings: TracingSettings) -> SpanExporter:
+def _make_exporter(settings: TracingConfig) -> SpanExporter:
     if settings.exporter == "console":
         return ConsoleSpanExporter()
     if settings.exporter == "otlp":
@@ -275,16 +248,17 @@ class Tracing:
 
 
 def setup_tracing(
-    settings: TracingSettings | Mapping[str, Any] | None = None,
+    settings: TracingConfig | Mapping[str, Any] | None = None,
     *,
     component: str = "",
     exporter: SpanExporter | None = None,
 ) -> Tracing:
-    """Build a replica's Tracing. `component` names the deployment ("Router", "HotLane", ...) on every span.
+    """Build a replica's Tracing from the config's observability.tracing (a TracingConfig, or its dump; None: the
+    schema's defaults, no tracing). `component` names the deployment ("Router", "HotLane", ...) on every span.
     `exporter` overrides the one the settings name (tests). The provider is private to the returned object rather
     than OpenTelemetry's process-global one, which can be set only once per process."""
-    if not isinstance(settings, TracingSettings):
-        settings = TracingSettings.from_mapping(settings)
+    if not isinstance(settings, TracingConfig):
+        settings = TracingConfig.model_validate(dict(settings or {}))
     if settings.exporter == "none" and exporter is None:
         return Tracing()
 

@@ -36,10 +36,10 @@ logger = logging.getLogger(__name__)
 # vLLM names the storage tier of an event; only blocks in the engine's own (GPU, also on vLLM-CPU) cache can serve
 # a prefix hit without a transfer. Offload tiers ("CPU", "STORAGE") are not what the router routes on.
 ROUTABLE_MEDIA = (None, "GPU")
-DEFAULT_TOPIC = "kv-events"
+KV_EVENTS_TOPIC = "kv-events"
 # Enough for the KV cache of any single engine we run (an 80 GB GPU at block 32 holds well under 1M blocks); a bound
 # only matters if BlockRemoved events are lost.
-DEFAULT_MAX_TRACKED_BLOCKS = 1_000_000
+MAX_TRACKED_BLOCKS = 1_000_000
 
 VllmBlockHash = Hashable  # vLLM's ExternalBlockHash: int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, default) or bytes
 
@@ -71,7 +71,7 @@ class TranslatorStats:
 class KVEventTranslator:
     """vLLM KV events -> net index updates in llm-lanes' hash space, for one engine (one replica)."""
 
-    def __init__(self, block_size: int, max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS):
+    def __init__(self, block_size: int, max_tracked_blocks: int = MAX_TRACKED_BLOCKS):
         if block_size < 1 or max_tracked_blocks < 1:
             raise ValueError("block_size and max_tracked_blocks must be >= 1")
         self.block_size = block_size
@@ -253,7 +253,7 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def kv_events_config(endpoint: KVEventsEndpoint, topic: str = DEFAULT_TOPIC) -> dict[str, Any]:
+def kv_events_config(endpoint: KVEventsEndpoint, topic: str = KV_EVENTS_TOPIC) -> dict[str, Any]:
     """The `kv_events_config` engine argument (vLLM's VllmConfig turns the dict into its KVEventsConfig). Needs
     `enable_prefix_caching=True` (no prefix cache, no events)."""
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint.publisher, "topic": topic}
@@ -299,7 +299,7 @@ class KVEventSubscriber:
         translator: KVEventTranslator,
         on_update: UpdateCallback,
         *,
-        topic: str = DEFAULT_TOPIC,
+        topic: str = KV_EVENTS_TOPIC,
         flush_interval_s: float = 0.05,
         max_pending_blocks: int = 4096,
         decoder: Callable[[bytes], Any] | None = None,

@@ -33,14 +33,14 @@ from app.prefix_cache.index import BlockHash, Match, PrefixIndex
 
 Op = tuple
 # History kept for mirrors that are behind; one farther behind gets a snapshot. Ops, not blocks.
-DEFAULT_MAX_LOGGED_OPS = 20_000
+MAX_LOGGED_OPS = 20_000
 # A mirror's own bound is the PrefixCache's times this: it must never evict on its own before the PrefixCache's
 # "drop" op for that block arrives (its least-recently-used order differs, as lookups touch only the mirror).
 MIRROR_HEADROOM = 2
 
 
 class IndexChangeLog:
-    def __init__(self, epoch: str, max_ops: int = DEFAULT_MAX_LOGGED_OPS):
+    def __init__(self, epoch: str, max_ops: int = MAX_LOGGED_OPS):
         self.epoch = epoch
         self.seq = 0  # number of the last op appended
         self._ops: deque[tuple[int, Op]] = deque(maxlen=max_ops)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from app.prefix_cache.index import BlockHash, block_hashes
 
-DEFAULT_HALF_LIFE_S = 600.0
-DEFAULT_MAX_TRACKED_PREFIXES = 2048
+# Candidate prefixes tracked at most (the most popular stay); not a setting: it only bounds memory.
+MAX_TRACKED_PREFIXES = 2048
 # A decayed count at or above this means "seen at least twice recently" (two hits within about one half-life score
 # above 1.5; a single hit never exceeds 1.0).
 MIN_REUSE_SCORE = 1.5
@@ -46,12 +46,14 @@ class PrefixPopularity:
     def __init__(
         self,
         block_size: int,
-        min_prefix_tokens: int = 1024,
-        max_pinned_prefixes: int = 4,
-        max_tracked_prefixes: int = DEFAULT_MAX_TRACKED_PREFIXES,
-        half_life_s: float = DEFAULT_HALF_LIFE_S,
+        min_prefix_tokens: int,
+        max_pinned_prefixes: int,
+        half_life_s: float,
+        max_tracked_prefixes: int = MAX_TRACKED_PREFIXES,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """min_prefix_tokens, half_life_s: prefix_cache.min_prefix_tokens / popularity_half_life_s; max_pinned_prefixes:
+        AppConfig.pinned_prefix_limit."""
         if block_size < 1 or min_prefix_tokens < 1 or max_pinned_prefixes < 0 or half_life_s <= 0:
             raise ValueError("block_size and min_prefix_tokens must be >= 1, max_pinned_prefixes >= 0, half_life_s > 0")
         if max_tracked_prefixes < max(1, max_pinned_prefixes):

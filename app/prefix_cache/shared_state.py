@@ -20,12 +20,12 @@ from app.prefix_cache.mirror import IndexChangeLog
 from app.prefix_cache.popularity import PrefixPopularity
 
 # Replicas report stats every couple of seconds (ENGINE_METRICS_INTERVAL_S); this many seconds of silence = gone.
-DEFAULT_REPLICA_STALE_S = 15.0
+REPLICA_STALE_S = 15.0
 
 
 class SharedPrefixState:
     def __init__(self, cfg: AppConfig, clock: Callable[[], float] = time.monotonic,
-                 replica_stale_s: float = DEFAULT_REPLICA_STALE_S):
+                 replica_stale_s: float = REPLICA_STALE_S):
         settings = cfg.prefix_cache
         self.settings = settings
         # A fresh id per instance: a replica whose update is answered with a new epoch knows this PrefixCache

@@ -66,9 +66,10 @@ def test_endpoint_and_window_checks():
 
 def test_token_estimate_counts_prompt_and_completion_budget():
     body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
-    assert shapes.estimate_line_tokens(body) == 100 + 50
+    assert shapes.estimate_line_tokens(body, default_max_tokens=256) == 100 + 50
     assert shapes.estimate_line_tokens({"model": "m", "prompt": "abcd"}, default_max_tokens=10) == 1 + 10
-    assert shapes.estimate_line_tokens({"model": "m", "prompt": "", "max_completion_tokens": 7}) == 1 + 7
+    assert shapes.estimate_line_tokens({"model": "m", "prompt": "", "max_completion_tokens": 7},
+                                       default_max_tokens=256) == 1 + 7
 
 
 def test_output_and_error_lines():

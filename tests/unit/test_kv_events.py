@@ -142,7 +142,7 @@ def test_snapshot_is_a_full_resync_and_feeds_the_index():
     snap = t.snapshot()
     assert snap.cleared and snap.adds == block_hashes(tokens(12), BLOCK)[:2] and not snap.removes
     assert t.drain().is_empty()
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     index.add("r", [123])  # stale entry the resync must drop
     if snap.cleared:
         index.remove_replica("r")
@@ -218,7 +218,7 @@ async def test_subscriber_feeds_an_index_from_vllms_zmq_publisher(tmp_path, make
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     endpoint = make_endpoint(tmp_path)
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     updates = []
 
     async def report(update: IndexUpdate):

@@ -25,6 +25,8 @@ def question(i: int, n: int = 40) -> list[int]:
 
 def make(**kwargs) -> PrefixPopularity:
     kwargs.setdefault("clock", Clock())
+    kwargs.setdefault("max_pinned_prefixes", 4)
+    kwargs.setdefault("half_life_s", 600.0)
     return PrefixPopularity(block_size=BLOCK, min_prefix_tokens=1024, **kwargs)
 
 
@@ -103,7 +105,8 @@ def test_precomputed_hashes_give_the_same_result():
 
 def test_validation():
     with pytest.raises(ValueError):
-        PrefixPopularity(block_size=0)
+        PrefixPopularity(block_size=0, min_prefix_tokens=1024, max_pinned_prefixes=4, half_life_s=600.0)
     with pytest.raises(ValueError):
-        PrefixPopularity(block_size=32, max_pinned_prefixes=10, max_tracked_prefixes=5)
+        PrefixPopularity(block_size=32, min_prefix_tokens=1024, max_pinned_prefixes=10, half_life_s=600.0,
+                         max_tracked_prefixes=5)
     assert make(max_pinned_prefixes=0).pinned() == []

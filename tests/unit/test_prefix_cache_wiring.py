@@ -88,7 +88,7 @@ def test_replicas_that_stop_reporting_are_forgotten_with_their_index_entries():
 
 def test_index_expire_unused_keeps_recently_looked_up_entries():
     clock = Clock()
-    index = PrefixIndex(clock=clock)
+    index = PrefixIndex(max_entries=1000, clock=clock)
     a, b = block_hashes(prompt(6), BLOCK), block_hashes(prompt(7), BLOCK)
     index.add("r1", a)
     index.add("r1", b)

@@ -34,7 +34,7 @@ def test_block_hashes_cover_full_blocks_only_and_chain():
 
 
 def test_lookup_returns_matched_tokens_per_replica_longest_first():
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     prompt = block_hashes(tokens(16), BLOCK)  # 4 blocks
     index.add("a", prompt[:2])
     index.add("b", prompt)
@@ -44,7 +44,7 @@ def test_lookup_returns_matched_tokens_per_replica_longest_first():
 
 
 def test_a_block_only_matches_under_its_own_parent_chain():
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     shared_tail = tokens(4, start=50)
     first = tokens(4, start=0) + shared_tail
     second = tokens(4, start=10) + shared_tail  # same second block, different first block
@@ -54,7 +54,7 @@ def test_a_block_only_matches_under_its_own_parent_chain():
 
 
 def test_match_stops_where_a_replica_misses_a_block():
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     prompt = block_hashes(tokens(12), BLOCK)
     index.add("a", [prompt[0], prompt[2]])  # middle block evicted on that replica
     index.add("b", prompt)
@@ -62,7 +62,7 @@ def test_match_stops_where_a_replica_misses_a_block():
 
 
 def test_remove_by_block_and_remove_replica():
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     prompt = block_hashes(tokens(12), BLOCK)
     index.add("a", prompt)
     index.add("b", prompt)
@@ -110,7 +110,7 @@ def test_eviction_takes_the_deepest_blocks_of_a_chain_first():
 
 def test_last_used_is_updated_by_add_and_lookup():
     clock = FakeClock()
-    index = PrefixIndex(clock=clock)
+    index = PrefixIndex(max_entries=1000, clock=clock)
     chain = block_hashes(tokens(8), BLOCK)
     index.add("a", chain)
     first_seen = index._entries[chain[0]].last_used

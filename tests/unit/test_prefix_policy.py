@@ -197,7 +197,7 @@ def test_rank_replicas_puts_the_choice_first():
 
 async def test_router_routes_to_the_replica_holding_the_prefix():
     a, b = FakeReplica("a", queue_len=2), FakeReplica("b", queue_len=0)
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     index.add(a.full_id, block_hashes(PROMPT, BLOCK))
     router = make_router()
     lookup = index_lookup(index)
@@ -223,7 +223,7 @@ async def test_router_uses_cached_queue_lengths_and_kv_usage_without_probing():
 
 async def test_router_imbalance_falls_back_to_load():
     a, b = FakeReplica("a", queue_len=9), FakeReplica("b", queue_len=0)
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     index.add(a.full_id, block_hashes(PROMPT, BLOCK))
     router = make_router(max_queue_imbalance=4)
     router.set_prefix_lookup(index_lookup(index))
@@ -234,7 +234,7 @@ async def test_router_imbalance_falls_back_to_load():
 
 async def test_slow_or_dead_prefix_cache_never_delays_or_fails_routing():
     a, b = FakeReplica("a"), FakeReplica("b")
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     index.add(a.full_id, block_hashes(PROMPT, BLOCK))
     router = make_router(lookup_timeout_s=0.005)
     router.set_prefix_lookup(index_lookup(index, delay_s=1.0))
@@ -253,7 +253,7 @@ async def test_slow_or_dead_prefix_cache_never_delays_or_fails_routing():
 async def test_full_or_silent_replicas_are_left_out():
     full = FakeReplica("full", queue_len=64, max_ongoing_requests=64)
     ok = FakeReplica("ok", queue_len=10)
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     index.add(full.full_id, block_hashes(PROMPT, BLOCK))
     router = make_router()
     router.set_prefix_lookup(index_lookup(index))
@@ -269,7 +269,7 @@ async def test_observer_hook():
     rr.add_decision_observer(observer)
     try:
         router = make_router()
-        router.set_prefix_lookup(index_lookup(PrefixIndex()))
+        router.set_prefix_lookup(index_lookup(PrefixIndex(max_entries=1000)))
         request = pending(LaneRequest(PROMPT), "feed-1")
         await router.choose_replicas([a, b], request)
     finally:
@@ -281,7 +281,7 @@ async def test_observer_hook():
 async def test_affinity_keeps_a_shared_prefix_group_on_one_replica():
     """End to end over the real index: once a group's prefix is recorded on a replica, its requests stay there."""
     replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
-    index = PrefixIndex()
+    index = PrefixIndex(max_entries=1000)
     router = make_router()
     router.set_prefix_lookup(index_lookup(index))
     system = list(range(100_000, 100_000 + 1024))
