@@ -29,7 +29,9 @@ SERVE_RESERVED_TAGS = frozenset({"deployment", "replica", "application"})
 
 # Label values used across the app (label *values* are free strings; these keep dashboards and code in step).
 LANE_NONE = "none"  # a request rejected before a lane was picked
-OUTCOMES = ("success", "error", "rejected", "cancelled", "timeout")
+OUTCOME_SUCCESS, OUTCOME_ERROR, OUTCOME_REJECTED, OUTCOME_CANCELLED, OUTCOME_TIMEOUT = (
+    "success", "error", "rejected", "cancelled", "timeout")
+OUTCOMES = (OUTCOME_SUCCESS, OUTCOME_ERROR, OUTCOME_REJECTED, OUTCOME_CANCELLED, OUTCOME_TIMEOUT)
 ADMISSION_DECISIONS = ("admit", "queue", "reject")
 
 # Bucket boundaries (seconds). Each list includes the numbers we make claims about, so a quantile near a goal

@@ -39,6 +39,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from app.classes import CLASS_POLICIES, Lane, RequestClass
+from app.config import AdmissionConfig
+from app.observability import metrics as app_metrics
+from app.observability.tracing import (
+    SPAN_DECODE, SPAN_ENGINE_QUEUE, SPAN_PREFILL, SPAN_PREFIX_LOOKUP, SPAN_QUEUE_WAIT, SPAN_REQUEST, SPAN_ROUTE,
+)
+from app.router.spill import REASON_LONG_CONTEXT
+
 OK, WARN, PROBLEM = "OK", "WARN", "PROBLEM"
 SEVERITY_ORDER = {OK: 0, WARN: 1, PROBLEM: 2}
 
@@ -83,17 +91,23 @@ REALTIME_TTFT_P99_GOAL_S = 0.45
 # Slowest traces: WARN when the slowest request took this many times the median traced request.
 SLOW_TRACE_RATIO_WARN = 5.0
 DEFAULT_SLOWEST_TRACES = 5
-# The tuning guide: sequences above 8K tokens degrade to the memory-efficient (cold) path.
-DEFAULT_LONG_CONTEXT_THRESHOLD = 8192
+# Without a serve config: the schema's admission.long_context_threshold (the tuning guide's 8K).
+SCHEMA_LONG_CONTEXT_THRESHOLD = AdmissionConfig.model_fields["long_context_threshold"].default
 
-# --- metric names as scraped from Ray's export port (app/observability/metrics.py adds the "ray_" prefix) -------
-M_TTFT = "ray_llm_lanes_ttft_seconds"
-M_E2E = "ray_llm_lanes_e2e_seconds"
-M_REQUESTS = "ray_llm_lanes_requests_total"
-M_DEGRADE = "ray_llm_lanes_degrade_total"
-M_QUEUE_WAIT = "ray_llm_lanes_queue_wait_seconds"
-M_KV_USAGE = "ray_llm_lanes_kv_cache_usage"
-M_BATCH_BACKLOG = "ray_llm_lanes_batch_backlog_lines"
+
+# --- metric names as scraped from Ray's export port (Ray puts "ray_" before the app's names) ------------------------
+def _exported(spec: app_metrics.MetricSpec) -> str:
+    return app_metrics.RAY_EXPORT_PREFIX + spec.name
+
+
+M_TTFT = _exported(app_metrics.TTFT)
+M_E2E = _exported(app_metrics.E2E)
+M_REQUESTS = _exported(app_metrics.REQUESTS)
+M_DEGRADE = _exported(app_metrics.DEGRADE)
+M_QUEUE_WAIT = _exported(app_metrics.QUEUE_WAIT)
+M_KV_USAGE = _exported(app_metrics.KV_CACHE_USAGE)
+M_BATCH_BACKLOG = _exported(app_metrics.BATCH_BACKLOG)
+# vLLM's own metrics (its RayPrometheusStatLogger), as exported by Ray.
 V_RUNNING = "ray_vllm_num_requests_running"
 V_WAITING = "ray_vllm_num_requests_waiting"
 V_WAITING_BY_REASON = "ray_vllm_num_requests_waiting_by_reason"
@@ -104,9 +118,11 @@ V_QUEUE_TIME = "ray_vllm_request_queue_time_seconds"
 V_PREFILL_TIME = "ray_vllm_request_prefill_time_seconds"
 V_DECODE_TIME = "ray_vllm_request_decode_time_seconds"
 
-REASON_LONG_CONTEXT = "long_context"  # app.router.spill.REASON_LONG_CONTEXT
-ERROR_OUTCOMES = ("error", "timeout")
-REJECTED_OUTCOME = "rejected"
+ERROR_OUTCOMES = (app_metrics.OUTCOME_ERROR, app_metrics.OUTCOME_TIMEOUT)
+REJECTED_OUTCOME = app_metrics.OUTCOME_REJECTED
+# Request class -> the lane that serves it (app.classes), as label values.
+CLASS_HOME_LANE = {request_class.value: policy.lane.value for request_class, policy in CLASS_POLICIES.items()}
+LANES = tuple(lane.value for lane in Lane)
 # Sample-name endings of cumulative series: --window-s subtracts these; everything else is a gauge.
 CUMULATIVE_SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 
@@ -304,7 +320,7 @@ class DoctorInputs:
     metrics: MetricsSnapshot | None = None
     max_model_len: int | None = None
     lane_limits: dict[str, LaneLimits] = field(default_factory=dict)
-    long_context_threshold: int = DEFAULT_LONG_CONTEXT_THRESHOLD
+    long_context_threshold: int = SCHEMA_LONG_CONTEXT_THRESHOLD
     realtime_ttft_p99_goal_s: float = REALTIME_TTFT_P99_GOAL_S
     batch_backlog_lines: float | None = None
     breakers: dict[str, str] = field(default_factory=dict)  # lane -> closed | open | half_open
@@ -313,7 +329,7 @@ class DoctorInputs:
     # The realtime reserve's routings at the Router replica that answered (admission.realtime_reserved_hot_replicas):
     # {"preferred": n, "fallback": n}; empty without a reserve.
     reserve_routing: dict[str, float] = field(default_factory=dict)
-    lanes_present: tuple[str, ...] = ("hot", "cold")
+    lanes_present: tuple[str, ...] = LANES
     spans: list[dict[str, Any]] | None = None  # None: no trace file
     slowest_traces: int = DEFAULT_SLOWEST_TRACES
     window_s: float = 0.0
@@ -429,8 +445,8 @@ def check_prompt_lengths(inputs: DoctorInputs) -> list[Finding]:
         # Ratio of the p99 bucket's floor to the median bucket's ceiling: a tail at least this long.
         tail_ratio = (p99[0] / p50[1]) if p50 and p99 and p50[1] > 0 and not math.isinf(p50[1]) else 0.0
         data["p99_over_p50_at_least"] = tail_ratio
-        cold_lane_exists = "cold" in inputs.lanes_present
-        if lane == "hot" and above_least > 0 and cold_lane_exists:
+        cold_lane_exists = Lane.COLD.value in inputs.lanes_present
+        if lane == Lane.HOT.value and above_least > 0 and cold_lane_exists:
             severity = PROBLEM
             summary = f"at least {_n(above_least)} prompts above {_n(threshold)} tokens ran on the hot lane"
             action = ("long-context degrade should send these to the cold lane (it keeps them on hot only while the "
@@ -726,9 +742,6 @@ def check_request_outcomes(inputs: DoctorInputs) -> list[Finding]:
     return findings
 
 
-CLASS_HOME_LANE = {"realtime": "hot", "interactive": "hot", "batch": "cold"}
-
-
 def _classes(counts: Mapping[str, float]) -> str:
     return ", ".join(f"{c} {_n(v)}" for c, v in sorted(counts.items()))
 
@@ -773,7 +786,7 @@ def check_batch_backlog(inputs: DoctorInputs) -> list[Finding]:
     """A batch backlog with an idle cold lane: the dispatcher is not draining it into the engines."""
     if inputs.batch_backlog_lines is None:
         return []
-    cold = [r for r in inputs.replicas if r.lane == "cold" and r.error is None and r.running is not None]
+    cold = [r for r in inputs.replicas if r.lane == Lane.COLD.value and r.error is None and r.running is not None]
     backlog = inputs.batch_backlog_lines
     cold_load = sum(r.load for r in cold)
     evidence = (f"{_n(backlog)} batch lines not finished; cold lane: {len(cold)} replicas, {_n(cold_load)} requests"
@@ -874,7 +887,7 @@ def check_latency_tails(inputs: DoctorInputs) -> list[Finding]:
             evidence += f"; E2E p50 {_s(e50)}, p99 {_s(e99)}" + (f" (x{e_ratio:.1f})" if e_ratio else "")
             data.update(e2e_p50_s=e50, e2e_p99_s=e99, e2e_ratio=e_ratio)
         problems: list[tuple[str, str]] = []
-        if request_class == "realtime" and t99 is not None and t99 > inputs.realtime_ttft_p99_goal_s:
+        if request_class == RequestClass.REALTIME.value and t99 is not None and t99 > inputs.realtime_ttft_p99_goal_s:
             problems.append((PROBLEM, f"realtime TTFT p99 {_s(t99)} above the {_s(inputs.realtime_ttft_p99_goal_s)} "
                                       "goal"))
         if t_ratio and t_ratio >= TTFT_TAIL_RATIO_PROBLEM:
@@ -921,9 +934,8 @@ def check_tail_breakdown(inputs: DoctorInputs) -> list[Finding]:
                 phases[lane][phase] = hist.quantile(0.99)
     # The admission queue is per class: realtime/interactive wait for the hot lane, batch for the cold one.
     queue_waits = histograms(inputs.metrics, M_QUEUE_WAIT, lambda labels: labels.get("request_class", "?"))
-    class_lane = {"realtime": "hot", "interactive": "hot", "batch": "cold"}
     for request_class, hist in queue_waits.items():
-        lane = class_lane.get(request_class)
+        lane = CLASS_HOME_LANE.get(request_class)
         if lane and hist.count >= MIN_SAMPLES_FOR_TAIL:
             p99 = hist.quantile(0.99)
             previous = phases[lane].get("admission queue")
@@ -942,7 +954,7 @@ def check_tail_breakdown(inputs: DoctorInputs) -> list[Finding]:
     return findings
 
 
-TRACE_PHASES = ("queue_wait", "route", "prefix_lookup", "engine_queue", "prefill", "decode")
+TRACE_PHASES = (SPAN_QUEUE_WAIT, SPAN_ROUTE, SPAN_PREFIX_LOOKUP, SPAN_ENGINE_QUEUE, SPAN_PREFILL, SPAN_DECODE)
 _LANE_ATTRIBUTES = ("lane", "llm_lanes.lane")
 _CLASS_ATTRIBUTES = ("request_class", "llm_lanes.request_class")
 
@@ -957,7 +969,7 @@ def summarize_traces(spans: list[dict[str, Any]]) -> list[TraceSummary]:
     summaries = []
     for trace_id, members in by_trace.items():
         ids = {s.get("span_id") for s in members}
-        roots = [s for s in members if s.get("name") == "request"] or [
+        roots = [s for s in members if s.get("name") == SPAN_REQUEST] or [
             s for s in members if s.get("parent_span_id") not in ids
         ]
         root = max(roots, key=lambda s: s["end_time_ns"] - s["start_time_ns"])
@@ -975,8 +987,8 @@ def summarize_traces(spans: list[dict[str, Any]]) -> list[TraceSummary]:
     return sorted(summaries, key=lambda t: t.duration_s, reverse=True)
 
 
-_TRACE_PHASE_TO_ACTION = {"queue_wait": "admission queue", "engine_queue": "engine queue", "prefill": "prefill",
-                          "decode": "decode"}
+_TRACE_PHASE_TO_ACTION = {SPAN_QUEUE_WAIT: "admission queue", SPAN_ENGINE_QUEUE: "engine queue",
+                          SPAN_PREFILL: "prefill", SPAN_DECODE: "decode"}
 
 
 def check_slowest_traces(inputs: DoctorInputs) -> list[Finding]:
@@ -1277,7 +1289,7 @@ def read_span_lines(text: str) -> list[dict[str, Any]]:
 
 def lane_limits_from_config(app_config: Any) -> dict[str, LaneLimits]:
     limits = {}
-    for lane in ("hot", "cold"):
+    for lane in LANES:
         lane_config = getattr(app_config, f"{lane}_lane", None)
         if lane_config is not None:
             limits[lane] = LaneLimits(lane_config.engine.max_num_seqs, lane_config.engine.max_num_batched_tokens)
@@ -1343,7 +1355,7 @@ def gather_inputs(
             raise ServeConfigUnreadable(f"cannot read --serve-config {serve_config}: {error}") from None
         inputs.lane_limits = lane_limits_from_config(app_config)
         threshold_from_config = long_context_threshold_from_config(app_config)
-    inputs.long_context_threshold = long_context_threshold or threshold_from_config or DEFAULT_LONG_CONTEXT_THRESHOLD
+    inputs.long_context_threshold = long_context_threshold or threshold_from_config or SCHEMA_LONG_CONTEXT_THRESHOLD
 
     with httpx.Client(timeout=timeout_s) as client:
         try:
@@ -1472,7 +1484,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout per call")
     parser.add_argument("--long-context-threshold", type=int, default=None,
                         help=f"prompt tokens above which a request should run on the cold lane (default: the serve "
-                             f"config's, else {DEFAULT_LONG_CONTEXT_THRESHOLD})")
+                             f"config's, else {SCHEMA_LONG_CONTEXT_THRESHOLD})")
     parser.add_argument("--realtime-ttft-p99-s", type=float, default=REALTIME_TTFT_P99_GOAL_S,
                         help=f"realtime TTFT p99 goal (default {REALTIME_TTFT_P99_GOAL_S}, the tuning guide's)")
     parser.add_argument("--slowest", type=int, default=DEFAULT_SLOWEST_TRACES, help="slowest traces to list")
