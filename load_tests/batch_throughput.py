@@ -48,6 +48,7 @@ import httpx
 import yaml
 
 from load_tests.overhead import app_url, llm_lanes_application
+from load_tests.overlay import OverlayError, add_set_argument, load_serve_config
 from load_tests.report import _num, _ratio
 from load_tests.stats import percentile, ratio
 from load_tests.serve_runner import (
@@ -406,7 +407,7 @@ def offline_worker(args: argparse.Namespace) -> int:
     """Inside the fresh process: one offline_generate on the named lane's settings, result as JSON."""
     from app.lanes.engine import offline_generate
 
-    cfg = app_config_of(yaml.safe_load(Path(args.serve_config).read_text(encoding="utf-8")))
+    cfg = app_config_of(load_serve_config(args.serve_config))
     batch = json.loads(Path(args.prompts_file).read_text(encoding="utf-8"))
     result = offline_generate(cfg, cfg.lane(args.offline_lane).engine, batch["prompts"], args.max_tokens,
                               temperature=args.temperature, warmup_prompts=batch["warmup_prompts"],
@@ -524,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m load_tests.batch_throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve-config", default="serve_configs/local.yaml",
-                        help="serve config: its lanes' engine settings and the app for (c)")
+                        help="serve config or overlay (load_tests/configs): its lanes' engine settings and the app "
+                             "for (c)")
+    add_set_argument(parser)
     parser.add_argument("--out", default="load_tests/results/batch-throughput-cpu",
                         help="directory for report.json, report.md, the batch files and logs")
     parser.add_argument("--prompts", type=int, default=192, help="lines in the batch")
@@ -556,10 +559,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.min_prompt_tokens <= args.max_prompt_tokens:
         parser.error("need 1 <= --min-prompt-tokens <= --max-prompt-tokens")
 
-    settings = Settings(args.serve_config, Path(args.out), args.prompts, args.min_prompt_tokens,
+    try:
+        base_config = load_serve_config(args.serve_config, args.set)
+    except OverlayError as error:
+        parser.error(str(error))
+    described = args.serve_config + "".join(f" --set {s}" for s in args.set)
+    settings = Settings(described, Path(args.out), args.prompts, args.min_prompt_tokens,
                         args.max_prompt_tokens, args.max_tokens, args.temperature, args.warmup_prompts, args.seed,
                         args.poll_interval, args.batch_timeout, args.ready_timeout)
-    base_config = yaml.safe_load(Path(settings.serve_config).read_text(encoding="utf-8"))
     cfg = app_config_of(base_config)  # fails on a bad config before anything starts
     if cfg.cold_lane is None:
         parser.error(f"{settings.serve_config} has no cold lane (cold_lane: null): nothing to compare")

@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from load_tests.overlay import OverlayError, add_set_argument, load_serve_config
 from load_tests.serve_runner import http_host, llm_lanes_application
 
 ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
@@ -113,18 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     urls = sub.add_parser("urls", help="print the Router replicas' direct-ingress URLs, comma-separated")
     urls.add_argument("--log", action="append", default=[], help="the `serve run` output (repeatable; the Ray "
                       f"session's Router replica logs, {ROUTER_REPLICA_LOGS}, are always read)")
-    urls.add_argument("--serve-config", help="the app's serve config: wait for all its Router replicas, on its host")
+    urls.add_argument("--serve-config", help="the app's serve config (or an overlay): wait for all its Router "
+                      "replicas, on its host")
+    add_set_argument(urls)
     urls.add_argument("--expect", type=int, default=1, help="without --serve-config: Router replicas to wait for")
     urls.add_argument("--host", default="127.0.0.1", help="without --serve-config: the replicas' host")
     urls.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     try:
         if args.serve_config:
-            serve_config = yaml.safe_load(Path(args.serve_config).read_text(encoding="utf-8"))
+            serve_config = load_serve_config(args.serve_config, args.set)
             print(router_urls(serve_config, args.log, args.timeout))
         else:
             print(",".join(wait_for_urls(args.log, args.expect, args.host, args.timeout)))
-    except TimeoutError as error:
+    except (TimeoutError, OverlayError) as error:
         print(error, file=sys.stderr)
         return 1
     return 0

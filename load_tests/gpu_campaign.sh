@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's GPU campaign on one H200: the app under each serve config in turn, the same workload each time, one
+# The GPU campaign on one H200: the app under each serve config in turn, the same workload each time, one
 # summary. Runs ON the GPU host (the load generator talks to the app over loopback), after the payload is installed:
 #
 #   source /tmp/site.env && bash load_tests/gpu_campaign.sh PHASE [PHASE ...]
@@ -7,15 +7,19 @@
 # Phases (run in the order given; each serving phase starts Ray + the app, measures, and tears everything down):
 #   preflight          env + versions, the 8B dummy model dir, app.tools.preflight, app.tools.kv_budget per lane and
 #                      for gpu-single.yaml's engines together (--shared-gpu)
-#   lanes-tuned        serve_configs/gpu-lanes-tuned.yaml  (hot 0.20 / cold 0.70)
-#   lanes              serve_configs/gpu-single.yaml       (the tuned one-GPU config; with the CUDA MPS daemon on,
+#   lanes-tuned        load_tests/configs/gpu-lanes-tuned.yaml  (hot 0.20 / cold 0.70, no MPS)
+#   lanes              serve_configs/gpu-single.yaml       (the shipped one-GPU config; with the CUDA MPS daemon on,
 #                      which it needs; skipped if MPS is missing)
 #   baseline-fcfs      serve_configs/baseline-gpu.yaml     (one engine, FCFS)
-#   baseline-priority  serve_configs/baseline-gpu-priority.yaml
+#   baseline-priority  load_tests/configs/baseline-gpu-priority.yaml (one engine, vLLM priority)
 #   lanes-tuned-mps    gpu-lanes-tuned.yaml with the CUDA MPS daemon on (optional; skipped if MPS is missing)
-#   config=PATH        any other serve config; the phase is named after the file
+#   config=PATH        any other serve config or overlay; the phase is named after the file
 #   config-mps=PATH    the same with the CUDA MPS daemon on; the phase is named <file>-mps
+#   'config=PATH --set KEY=VALUE ...'   (one quoted word; also config-mps=) the config with values changed
+#                      (load_tests/overlay.py); the phase is named <file>-<key><value>...
 #   summary            only rebuild the summary (every invocation ends with one anyway)
+# Overlays (load_tests/configs) are merged here, with PyYAML only: each serving phase keeps the merged config as
+# <phase>/serve-config.yaml and serves it (a shipped config without --set is served from its own path).
 #
 # A device call is limited to 10 minutes, so one call runs one or two phases. State lives in $CAMPAIGN_DIR
 # (/tmp/campaign), which survives back-to-back calls on a warm machine; at the end of every phase and at exit the
@@ -76,10 +80,10 @@ jnum() { [[ "$1" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] && echo "$1" || echo null; }
 
 config_for() {
   case "$1" in
-    lanes-tuned|lanes-tuned-mps) echo serve_configs/gpu-lanes-tuned.yaml ;;
+    lanes-tuned|lanes-tuned-mps) echo load_tests/configs/gpu-lanes-tuned.yaml ;;
     lanes) echo serve_configs/gpu-single.yaml ;;
     baseline-fcfs) echo serve_configs/baseline-gpu.yaml ;;
-    baseline-priority) echo serve_configs/baseline-gpu-priority.yaml ;;
+    baseline-priority) echo load_tests/configs/baseline-gpu-priority.yaml ;;
     config=*) echo "${1#config=}" ;;
     config-mps=*) echo "${1#config-mps=}" ;;
     *) return 1 ;;
@@ -89,11 +93,20 @@ label_for() {
   local suffix=""
   [ "$DIRECT_INGRESS" = 1 ] && suffix="-di"
   [ "$TRACING" = 1 ] && suffix="$suffix-traced"
+  local spec
   case "$1" in
-    config=*) echo "$(basename "${1#config=}" .yaml)$suffix" ;;
-    config-mps=*) echo "$(basename "${1#config-mps=}" .yaml)-mps$suffix" ;;
+    config=*) read -r -a spec <<<"${1#config=}"; echo "$("$PY" -m load_tests.overlay --label "${spec[@]}")$suffix" ;;
+    config-mps=*) read -r -a spec <<<"${1#config-mps=}"
+                  echo "$("$PY" -m load_tests.overlay --label "${spec[@]}")-mps$suffix" ;;
     *) echo "$1$suffix" ;;
   esac
+}
+
+# merge_config DIR CONFIG [--set KEY=VALUE ...]: the full serve config (an overlay merged onto its base, the --set
+# values applied) written to DIR/serve-config.yaml; prints the file to serve (CONFIG itself if nothing was merged).
+merge_config() {
+  local dir=$1; shift
+  "$PY" -m load_tests.overlay "$@" --out "$dir/serve-config.yaml" --out-dir "$dir"
 }
 
 payload_ready() {
@@ -151,9 +164,11 @@ print(json.dumps(info, indent=1))
 EOF
   ensure_model || log "preflight: model dir FAILED (see log)"
   log "preflight: serve configs against the schema"
-  for cfg in serve_configs/gpu-single.yaml serve_configs/gpu-lanes-tuned.yaml serve_configs/baseline-gpu.yaml \
-             serve_configs/baseline-gpu-priority.yaml; do
+  for cfg in serve_configs/gpu-single.yaml load_tests/configs/gpu-lanes-tuned.yaml serve_configs/baseline-gpu.yaml \
+             load_tests/configs/baseline-gpu-priority.yaml; do
     validate_config "$cfg" >>"$dir/configs.txt" 2>&1; echo "$cfg: rc=$?" >>"$dir/configs.txt"
+    # The merged copy: kv_budget reads full serve configs, not overlays.
+    "$PY" -m load_tests.overlay "$cfg" --out "$dir/$(basename "$cfg")" 2>>"$dir/configs.txt"
   done
   log "preflight: app.tools.preflight"
   timeout 180 "$PY" -m app.tools.preflight --serve-config serve_configs/gpu-single.yaml --json \
@@ -163,9 +178,9 @@ EOF
   local kv_rcs=""
   for pair in gpu-single:hot gpu-single:cold gpu-lanes-tuned:hot gpu-lanes-tuned:cold baseline-gpu:hot; do
     stem=${pair%%:*} lane=${pair##*:}
-    timeout 120 "$PY" -m app.tools.kv_budget --serve-config "serve_configs/$stem.yaml" --lane "$lane" \
+    timeout 120 "$PY" -m app.tools.kv_budget --serve-config "$dir/$stem.yaml" --lane "$lane" \
       >"$dir/kv-$stem-$lane.txt" 2>&1
-    timeout 120 "$PY" -m app.tools.kv_budget --serve-config "serve_configs/$stem.yaml" --lane "$lane" --json \
+    timeout 120 "$PY" -m app.tools.kv_budget --serve-config "$dir/$stem.yaml" --lane "$lane" --json \
       >"$dir/kv-$stem-$lane.json" 2>/dev/null
     kv_rcs+="\"$stem-$lane\": $?, "
   done
@@ -177,11 +192,12 @@ EOF
   log "preflight: done (preflight rc=$rc; kv_budget rc: ${kv_rcs%, })"
 }
 
-validate_config() {
+validate_config() {  # validate_config CONFIG: a serve config or an overlay (merged first)
   "$PY" - "$1" <<'EOF'
-import sys, yaml
+import sys
 from app.config import load_app_config
-cfg = load_app_config(yaml.safe_load(open(sys.argv[1]))["applications"][0]["args"])
+from load_tests.overlay import llm_lanes_application, load_serve_config
+cfg = load_app_config(llm_lanes_application(load_serve_config(sys.argv[1]))["args"])
 print(f"{sys.argv[1]}: valid; lanes {cfg.lane_names if hasattr(cfg, 'lane_names') else '?'}")
 EOF
 }
@@ -271,15 +287,20 @@ write_phase_json() {  # write_phase_json DIR LABEL CONFIG STATUS MPS key=value..
 
 run_serving_phase() {
   local phase=$1 label config dir mps=false t status="ok" ray_s="" ready_s="" scenario_s="" shutdown_s="" sc budget
-  label=$(label_for "$phase"); config=$(config_for "$phase")
+  local spec
+  label=$(label_for "$phase"); read -r -a spec <<<"$(config_for "$phase")"; config=${spec[0]}
   dir=$CAMPAIGN_DIR/$label
   PHASE_T0=$(date +%s)
   rm -rf "$dir"; mkdir -p "$dir"
-  log "[$label] config $config"
+  log "[$label] config ${spec[*]}"
   if [ ! -f "$config" ]; then
     write_phase_json "$dir" "$label" "$config" "config_missing" false; log "[$label] no such config"; return 1
   fi
-  cp "$config" "$dir/serve-config.yaml"
+  if ! config=$(merge_config "$dir" "${spec[@]}" 2>"$dir/config-check.txt"); then
+    write_phase_json "$dir" "$label" "${spec[0]}" "config_invalid" false
+    log "[$label] config does not merge: $(tail -3 "$dir/config-check.txt" | tr '\n' ' ')"
+    return 1
+  fi
   if ! validate_config "$config" >"$dir/config-check.txt" 2>&1; then
     write_phase_json "$dir" "$label" "$config" "config_invalid" false
     log "[$label] config does not validate against app/config.py: $(tail -3 "$dir/config-check.txt" | tr '\n' ' ')"
@@ -412,8 +433,9 @@ on_exit() {
 }
 
 # The verified GPU payload (../shared/gpu) carries vllm + ray and their dependencies, not everything pyproject.toml
-# asks for: on 2026-12-02 it had grpcio 1.84.0 (our stubs were generated by grpcio-tools 1.85.1 and refuse an older
-# runtime) and no grpcio-health-checking, so the Serve proxy could not start the gRPC server and `serve run` exited.
+# asks for: it may have an older grpcio than the stubs' floor (they are generated by grpcio-tools 1.85.1 and refuse an
+# older runtime; the payload has had 1.84.0) and no grpcio-health-checking, and then the Serve proxy cannot start the
+# gRPC server and `serve run` exits.
 # The GPU benchmarks use HTTP only, so in this disposable copy of the tree: lower the stubs' version floor to the
 # runtime's and drop the health servicer from the serve configs. Logged, never done on a developer's checkout.
 adapt_to_payload() {

@@ -50,6 +50,7 @@ import yaml
 
 from load_tests import direct_ingress
 from load_tests.client import RequestRecord, RequestSpec, send, words
+from load_tests.overlay import OverlayError, add_set_argument, load_serve_config
 from load_tests.report import _num
 from load_tests.serve_runner import (
     AppStartError,
@@ -449,7 +450,7 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
     from transformers import AutoTokenizer
 
     from app.lanes.types import LaneRequest, SamplingOptions
-    from app.router.classes import RequestClass, policy_for
+    from app.classes import RequestClass, policy_for
 
     model = app_config["model"]
     tokenizer = AutoTokenizer.from_pretrained(model.get("tokenizer") or model["source"])
@@ -649,7 +650,9 @@ def build_report(settings: Settings, started_at: str, runs: list[dict[str, Any]]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m load_tests.overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--serve-config", default="serve_configs/local.yaml", help="base serve config")
+    parser.add_argument("--serve-config", default="serve_configs/local.yaml",
+                        help="base serve config (or an overlay in load_tests/configs)")
+    add_set_argument(parser)
     parser.add_argument("--out", required=True, help="directory for report.json, report.md, configs and logs")
     parser.add_argument("--requests", type=int, default=400, help="measured requests per phase (and per path)")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop requests in flight")
@@ -679,11 +682,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rate-concurrency {args.rate_concurrency!r}: give comma-separated integers, e.g. 16,64,256")
     if any(level < 1 for level in rate_concurrency) or args.rate_requests < 1:
         parser.error("--rate-concurrency levels and --rate-requests must be >= 1")
-    settings = Settings(args.serve_config, Path(args.out), args.requests, args.concurrency, args.warmup,
+    try:
+        base_config = load_serve_config(args.serve_config, args.set)
+    except OverlayError as error:
+        parser.error(str(error))
+    described = args.serve_config + "".join(f" --set {s}" for s in args.set)
+    settings = Settings(described, Path(args.out), args.requests, args.concurrency, args.warmup,
                         args.max_tokens, args.prompt_words, args.rounds, args.seed, args.ready_timeout,
                         args.variant or list(TRACING_VARIANTS), rate_concurrency, args.rate_requests,
                         args.direct_ingress)
-    base_config = yaml.safe_load(Path(settings.serve_config).read_text(encoding="utf-8"))
     llm_lanes_application(base_config)  # fail before starting anything
     settings.out_dir.mkdir(parents=True, exist_ok=True)
 

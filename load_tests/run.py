@@ -7,7 +7,14 @@
         --out load_tests/results/lanes-vs-single-pool
 
 The second form writes one report comparing the configs (ratios are first ÷ second). Run it from the repository root
-(serve configs name `app.main:build_app` and relative model paths).
+(serve configs name `app.main:build_app` and relative model paths). A config may be an overlay
+(load_tests/configs/*.yaml: a shipped config plus the keys that differ), and `--set KEY=VALUE` after a
+--serve-config changes one value of that config (load_tests/overlay.py); the merged file is written next to the
+report and served from there:
+
+    python -m load_tests.run --scenario load_tests/scenarios/shared_prefix.yaml \
+        --serve-config load_tests/configs/prefix-2x.yaml \
+        --serve-config load_tests/configs/prefix-2x.yaml --set args.prefix_cache.routing=pow2 --out DIR
 
 `--direct-ingress` (with --serve-config) starts each app with Ray Serve's direct ingress on and sends the scenario
 to the Router replicas' own ports instead of the HTTP proxy (load_tests/direct_ingress.py). In --url mode, list the
@@ -24,11 +31,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
 from load_tests import direct_ingress, host
 from load_tests.client import RequestRecord
+from load_tests.overlay import ConfigRef, OverlayError, add_serve_config_arguments, as_ref
 from load_tests.report import RunResult, write_report
 from load_tests.scenario import Scenario, ScenarioError, load_scenario
 from load_tests.serve_runner import (
@@ -73,7 +80,7 @@ def measure(scenario: Scenario, url: str, label: str, target: str, progress: boo
 
 def run_serve_configs(
     scenario: Scenario,
-    serve_configs: list[str],
+    serve_configs: list[str | ConfigRef],
     url: str,
     out_dir: Path,
     ready_timeout_s: float,
@@ -84,28 +91,36 @@ def run_serve_configs(
     poll_interval_s: float = 2.0,
     use_direct_ingress: bool = False,
 ) -> list[RunResult]:
-    """One run per config, each on a freshly started app. The command arguments exist for tests (a stand-in app)."""
+    """One run per config, each on a freshly started app. The command arguments exist for tests (a stand-in app).
+    An overlay or a config with --set values is merged into out_dir first and served from there."""
     runs = []
-    for config in serve_configs:
-        label = Path(config).stem + ("-direct-ingress" if use_direct_ingress else "")
+    for ref in map(as_ref, serve_configs):
+        label = ref.label + ("-direct-ingress" if use_direct_ingress else "")
+        config = ref.path if not ref.sets else f"{ref.path} " + " ".join(f"--set {s}" for s in ref.sets)
+        try:
+            served = ref.servable_path(out_dir)
+        except OverlayError as error:
+            print(f"[{label}] {error}", file=sys.stderr)
+            runs.append(RunResult(label=label, target=config, started_at=_now(), error=str(error)))
+            continue
         app = ServedApp(
             url,
             out_dir / f"serve-{label}.log",
-            start_command=start_command_for(config),
+            start_command=start_command_for(served),
             stop_commands=default_stop_commands() if stop_commands is None else stop_commands,
             cleanup_commands=default_cleanup_commands() if cleanup_commands is None else cleanup_commands,
             ready_timeout_s=ready_timeout_s,
             poll_interval_s=poll_interval_s,
             env=direct_ingress.ENV if use_direct_ingress else None,
         )
-        print(f"[{label}] starting `serve run {config}` (log: {app.log_path})", file=sys.stderr)
+        print(f"[{label}] starting `serve run {served}` (log: {app.log_path})", file=sys.stderr)
         try:
             app.start()
             ready_s = app.wait_ready()
             print(f"[{label}] ready after {ready_s:.0f} s", file=sys.stderr)
             target_url = url
             if use_direct_ingress:
-                serve_config = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+                serve_config = ref.load()
                 target_url = direct_ingress.router_urls(serve_config, [app.log_path])
                 print(f"[{label}] direct ingress: {target_url}", file=sys.stderr)
             runs.append(measure(scenario, target_url, label, config, progress))
@@ -135,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", required=True, help="scenario YAML (see load_tests/scenarios/)")
     parser.add_argument("--url", default=None, help=f"base URL of a running app (default {DEFAULT_URL})")
-    parser.add_argument("--serve-config", action="append", default=[], metavar="CONFIG",
-                        help="start the app with `serve run CONFIG`, measure, tear down; repeat to compare configs")
+    add_serve_config_arguments(
+        parser, "start the app with `serve run CONFIG` (a serve config or an overlay in load_tests/configs), measure, "
+                "tear down; repeat to compare configs")
     parser.add_argument("--out", required=True, help="directory for report.json, report.md, PNG plots, serve logs")
     parser.add_argument("--direct-ingress", action="store_true",
                         help="with --serve-config: start with Ray Serve's direct ingress and load the Router replicas' "

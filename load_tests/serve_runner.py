@@ -29,15 +29,7 @@ SHUTDOWN_COMMAND_TIMEOUT_S = 120.0
 LOG_TAIL_CHARS = 4000
 
 
-APP_IMPORT_PATH = "app.main:build_app"
-
-
-def llm_lanes_application(serve_config: dict[str, Any]) -> dict[str, Any]:
-    """The config's llm-lanes application (the one built by app.main:build_app)."""
-    for application in serve_config.get("applications") or []:
-        if application.get("import_path") == APP_IMPORT_PATH:
-            return application
-    raise ValueError(f"no application with import_path {APP_IMPORT_PATH} in the serve config")
+from load_tests.overlay import APP_IMPORT_PATH, llm_lanes_application  # noqa: F401  (re-exported)
 
 
 def http_host(serve_config: dict[str, Any]) -> str:

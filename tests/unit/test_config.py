@@ -12,8 +12,8 @@ from app.lanes.engine import engine_args_dict
 from app.main import lane_deployment_options
 
 REPO = Path(__file__).resolve().parents[2]
-# Deployable configs and the benchmark-only ones under load_tests/configs: every one must validate.
-SERVE_CONFIGS = sorted(REPO.glob("serve_configs/*.yaml")) + sorted(REPO.glob("load_tests/configs/*.yaml"))
+# The shipped configs; the overlays under load_tests/configs are merged and validated in test_config_overlays.py.
+SERVE_CONFIGS = sorted(REPO.glob("serve_configs/*.yaml"))
 
 
 def cpu_args(**overrides):
@@ -267,32 +267,8 @@ def test_cuda_graph_max_tokens_is_not_set_twice_or_with_eager():
     assert "enforce_eager" in message
 
 
-def _app_of(path: str) -> tuple[dict, dict | None]:
-    application = yaml.safe_load((REPO / path).read_text())["applications"][0]
-    return application["args"], application.get("runtime_env")
-
-
-def test_the_measured_graphs512_config_and_gpu_single_give_the_hot_engine_the_same_arguments():
-    # Round 9 measured load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml (graphs through extra_engine_args);
-    # gpu-single.yaml states them with the first-class field. Apart from the KV sizing that round 10 changed (two hot
-    # replicas of 3 GiB instead of one of 10), the two must mean the same hot engine.
-    def hot_args(path):
-        args, runtime_env = _app_of(path)
-        cfg = load_app_config(args)
-        engine = engine_args_dict(cfg, cfg.hot_lane.engine)
-        return {k: v for k, v in engine.items() if k not in ("kv_cache_memory_bytes", "gpu_memory_utilization")}, \
-            runtime_env
-
-    measured, measured_env = hot_args("load_tests/configs/gpu-single-serve-grpc-hot-graphs512.yaml")
-    served, served_env = hot_args("serve_configs/gpu-single.yaml")
-    assert served == measured and served["compilation_config"] == {"max_cudagraph_capture_size": 512}
-    assert served_env == measured_env
-
-
-def test_gpu_single_is_the_config_round_10_measured():
-    # docs/benchmarks-gpu.md round 10 measured load_tests/configs/gpu-single-rt-reserve.yaml; gpu-single.yaml ships it.
-    assert _app_of("serve_configs/gpu-single.yaml") == _app_of("load_tests/configs/gpu-single-rt-reserve.yaml")
-    args, _ = _app_of("serve_configs/gpu-single.yaml")
+def test_gpu_single_keeps_one_of_two_hot_replicas_for_realtime():
+    args = yaml.safe_load((REPO / "serve_configs/gpu-single.yaml").read_text())["applications"][0]["args"]
     cfg = load_app_config(args)
     assert cfg.admission.realtime_reserved_hot_replicas == 1 and cfg.hot_lane.deployment.num_replicas == 2
     # The GPU's fractions add up to one GPU: two hot replicas and the cold one.

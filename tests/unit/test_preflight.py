@@ -241,8 +241,14 @@ def test_gather_reads_mps_settings_and_one_lane_configs(tmp_path, monkeypatch):
     ("baseline-gpu.yaml", 512, PASS),  # max_num_seqs 256: the default reaches 512
     ("local.yaml", None, SKIP),  # CPU engines run no CUDA graphs
 ])
-def test_hot_lane_prefill_graphs_from_the_serve_configs(config, tokens, status):
-    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs" / config), bandwidth=False)
+def test_hot_lane_prefill_graphs_from_the_serve_configs(config, tokens, status, tmp_path):
+    path = REPO / "serve_configs" / config
+    if not path.exists():  # an overlay in load_tests/configs: preflight reads its merged copy
+        from load_tests.overlay import main as merge_overlay
+
+        path = tmp_path / config
+        assert merge_overlay([str(REPO / "load_tests" / "configs" / config), "--out", str(path)]) == 0
+    readings = preflight.gather_readings(serve_config=str(path), bandwidth=False)
     assert readings.hot_cuda_graph_tokens == tokens
     check = preflight.check_hot_lane_prefill_graphs(readings)
     assert check.status == status, check
