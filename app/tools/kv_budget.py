@@ -38,9 +38,10 @@ GIB = 1024**3
 GUIDE_MAX_TOKENS = 131072
 GUIDE_BATCH_SIZE = 32
 # Used when neither --gpu-memory-gib, NVML nor torch can tell the GPU's size (an 80 GB A100/H100).
-DEFAULT_GPU_MEMORY_GIB = 80.0
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-DEFAULT_BLOCK_SIZE = 32
+ASSUMED_GPU_MEMORY_GIB = 80.0
+# Without a serve config: the schema's engine settings.
+SCHEMA_GPU_MEMORY_UTILIZATION = EngineSettings.model_fields["gpu_memory_utilization"].default
+SCHEMA_BLOCK_SIZE = EngineSettings.model_fields["block_size"].default
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4, "float": 4,
@@ -257,10 +258,10 @@ class BudgetInputs:
     batch_size: int  # sequences resident together
     batch_is_requirement: bool  # the operator asked for it (FAIL if it does not fit) vs. a derived worst case (WARN)
     max_seq_len: int
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = SCHEMA_BLOCK_SIZE
     tensor_parallel_size: int = 1
-    gpu_memory_gib: float | None = DEFAULT_GPU_MEMORY_GIB  # None: no GPU (CPU engine, kv_cache_memory_bytes given)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_memory_gib: float | None = ASSUMED_GPU_MEMORY_GIB  # None: no GPU (CPU engine, kv_cache_memory_bytes given)
+    gpu_memory_utilization: float = SCHEMA_GPU_MEMORY_UTILIZATION
     kv_cache_memory_bytes: int | None = None  # explicit KV size per worker: overrides the utilization arithmetic
     reserve_gib: float = 0.0  # activations / CUDA graphs / non-torch memory that vLLM measures by profiling
     context_tokens: int | None = None  # context for the concurrency figure (default: max_seq_len)
@@ -566,7 +567,7 @@ def build_inputs(args: argparse.Namespace) -> BudgetInputs:
     kv_cache_memory_bytes = args.kv_cache_memory_bytes or (engine.kv_cache_memory_bytes if engine else None)
     gpu_memory_gib = None
     if not on_cpu and kv_cache_memory_bytes is None:
-        gpu_memory_gib = args.gpu_memory_gib or gpu_memory_gib_from_device() or DEFAULT_GPU_MEMORY_GIB
+        gpu_memory_gib = args.gpu_memory_gib or gpu_memory_gib_from_device() or ASSUMED_GPU_MEMORY_GIB
     return BudgetInputs(
         shape=shape,
         kv_precision=kv_precision,
@@ -575,11 +576,11 @@ def build_inputs(args: argparse.Namespace) -> BudgetInputs:
         batch_size=batch_size,
         batch_is_requirement=batch_is_requirement,
         max_seq_len=max_seq_len,
-        block_size=args.block_size or (engine.block_size if engine else DEFAULT_BLOCK_SIZE),
+        block_size=args.block_size or (engine.block_size if engine else SCHEMA_BLOCK_SIZE),
         tensor_parallel_size=args.tp or (engine.tensor_parallel_size if engine else 1),
         gpu_memory_gib=gpu_memory_gib,
         gpu_memory_utilization=args.gpu_memory_utilization
-        or (engine.gpu_memory_utilization if engine else DEFAULT_GPU_MEMORY_UTILIZATION),
+        or (engine.gpu_memory_utilization if engine else SCHEMA_GPU_MEMORY_UTILIZATION),
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         reserve_gib=args.reserve_gib,
         context_tokens=args.context,
@@ -591,7 +592,7 @@ def build_inputs(args: argparse.Namespace) -> BudgetInputs:
 # What an engine holds beyond its weights and KV cache: activation peak, CUDA graphs, CUDA / MPS context. Three engines
 # of the Llama-3.1-8B-shaped model on one H200 peaked at 134,023 MiB, their weights + KV + 2.0 GiB each (round 10,
 # docs/benchmarks-gpu.md); at ready it was 1.0 GiB (hot) and 1.8 GiB (cold).
-DEFAULT_ENGINE_OVERHEAD_GIB = 2.0
+ENGINE_OVERHEAD_GIB = 2.0
 
 
 @dataclass(frozen=True)
@@ -675,8 +676,8 @@ def shared_gpu_main(args: argparse.Namespace) -> int:
     if not engines:
         print(f"{args.serve_config}: no lane shares a GPU (no replica with tensor_parallel_size 1 and num_gpus < 1)")
         return 0
-    gpu_gib = args.gpu_memory_gib or gpu_memory_gib_from_device() or DEFAULT_GPU_MEMORY_GIB
-    overhead_gib = args.reserve_gib or DEFAULT_ENGINE_OVERHEAD_GIB
+    gpu_gib = args.gpu_memory_gib or gpu_memory_gib_from_device() or ASSUMED_GPU_MEMORY_GIB
+    overhead_gib = args.reserve_gib or ENGINE_OVERHEAD_GIB
     lines, checks = shared_gpu_checks(engines, int(gpu_gib * GIB), int(overhead_gib * GIB))
     print(f"{len(engines)} engines on one GPU of {gpu_gib:.2f} GiB (overhead {overhead_gib:g} GiB each: --reserve-gib)")
     print("\n".join(f"  {line}" for line in lines) + "\n")
@@ -723,7 +724,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --serve-config: every engine that shares a GPU (lanes with num_gpus < 1), all "
                              "lanes and replicas together: do they fit, and does each pass vLLM's start-up check "
                              f"when it starts last (--reserve-gib: overhead per engine, default "
-                             f"{DEFAULT_ENGINE_OVERHEAD_GIB:g})")
+                             f"{ENGINE_OVERHEAD_GIB:g})")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
