@@ -14,19 +14,9 @@ from app.batch.store import (
     NotFoundError,
 )
 from tests.batch_store_backends import store_factory  # noqa: F401  (fixture)
+from tests.fakes import FakeClock
 
 ENDPOINT = "/v1/chat/completions"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_700_000_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def chat_line(custom_id: str, text: str = "hello", max_tokens: int = 16) -> str:
@@ -84,7 +74,7 @@ def test_create_batch_rejects_bad_arguments(store_factory):
 
 
 def test_create_batch_queues_valid_lines_and_fails_bad_ones(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     lines = [
         chat_line("a"),
@@ -111,7 +101,7 @@ def test_create_batch_queues_valid_lines_and_fails_bad_ones(store_factory):
 
 
 def test_full_lifecycle_writes_openai_output_and_error_files(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     input_file = store.create_file("batch", "in.jsonl", jsonl_bytes([chat_line("a"), "oops", chat_line("b"),
                                                                      chat_line("c")]))
@@ -178,7 +168,7 @@ def test_completion_is_recorded_exactly_once(store_factory):
 
 
 def test_lease_expiry_requeues_and_first_recording_wins(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     batch = make_batch(store, 2)
     first = store.claim_lines("dead-worker", 2, lease_s=10)
@@ -208,7 +198,7 @@ def test_release_line_requeues_for_retry(store_factory):
 
 
 def test_cancel_stops_queued_lines_and_lets_in_flight_finish(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     batch = make_batch(store, 4)
     in_flight = store.claim_lines("w1", 2, lease_s=30)
@@ -228,7 +218,7 @@ def test_cancel_stops_queued_lines_and_lets_in_flight_finish(store_factory):
 
 
 def test_cancel_with_dead_worker_settles_after_lease_expiry(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     batch = make_batch(store, 2)
     store.claim_lines("dead", 1, lease_s=10)
@@ -251,7 +241,7 @@ def test_cancel_of_finished_batch_is_a_conflict(store_factory):
 
 
 def test_expired_batch_keeps_results_and_fails_the_rest(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     batch = make_batch(store, 3, completion_window="1h")
     claimed = store.claim_lines("w1", 2, lease_s=30)
@@ -268,7 +258,7 @@ def test_expired_batch_keeps_results_and_fails_the_rest(store_factory):
 
 
 def test_list_batches_newest_first_with_pagination(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     ids = []
     for _ in range(5):
@@ -283,7 +273,7 @@ def test_list_batches_newest_first_with_pagination(store_factory):
 
 
 def test_claim_order_is_oldest_batch_first(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     store = store_factory(clock=clock)
     older = make_batch(store, 2)
     clock.advance(1)
@@ -308,7 +298,7 @@ def test_backlog_stats_counts_pending_lines_and_tokens(store_factory):
 
 
 def test_restart_sees_everything(store_factory):
-    clock = FakeClock()
+    clock = FakeClock(now=1_700_000_000.0)
     first = store_factory(clock=clock)
     batch = make_batch(first, 3)
     [done, leased] = first.claim_lines("old-process", 2, lease_s=10)

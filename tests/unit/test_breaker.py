@@ -1,17 +1,7 @@
 import pytest
 
 from app.router.breaker import HALF_OPEN_BUSY_RETRY_AFTER_S, BreakerState, CircuitBreaker
-
-
-class FakeClock:
-    def __init__(self, now: float = 500.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.fakes import FakeClock
 
 
 def make(clock, **kwargs) -> CircuitBreaker:

@@ -3,16 +3,9 @@
 import pytest
 
 from app.prefix_cache.popularity import PrefixPopularity
+from tests.fakes import FakeClock
 
 BLOCK = 32
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def system_prompt(group: int, n: int = 1024) -> list[int]:
@@ -24,7 +17,7 @@ def question(i: int, n: int = 40) -> list[int]:
 
 
 def make(**kwargs) -> PrefixPopularity:
-    kwargs.setdefault("clock", Clock())
+    kwargs.setdefault("clock", FakeClock())
     kwargs.setdefault("max_pinned_prefixes", 4)
     kwargs.setdefault("half_life_s", 600.0)
     return PrefixPopularity(block_size=BLOCK, min_prefix_tokens=1024, **kwargs)
@@ -70,7 +63,7 @@ def test_a_longer_less_used_prefix_can_be_pinned_beside_its_base():
 
 
 def test_counts_decay_so_old_favourites_fade():
-    clock = Clock()
+    clock = FakeClock()
     popularity = make(max_pinned_prefixes=1, half_life_s=60.0, clock=clock)
     for i in range(8):
         popularity.record(system_prompt(1) + question(i))

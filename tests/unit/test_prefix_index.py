@@ -5,21 +5,13 @@ import threading
 import pytest
 
 from app.prefix_cache.index import ROOT_HASH, Match, PrefixIndex, block_hashes, hash_block
+from tests.fakes import FakeClock
 
 BLOCK = 4
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 def test_block_hashes_cover_full_blocks_only_and_chain():
@@ -78,7 +70,7 @@ def test_remove_by_block_and_remove_replica():
 
 
 def test_memory_bound_and_lru_eviction():
-    index = PrefixIndex(max_entries=6, clock=FakeClock())
+    index = PrefixIndex(max_entries=6, clock=FakeClock(now=0.0, tick=1.0))
     old = block_hashes(tokens(12, 0), BLOCK)
     hot = block_hashes(tokens(12, 100), BLOCK)
     index.add("a", old)
@@ -109,7 +101,7 @@ def test_eviction_takes_the_deepest_blocks_of_a_chain_first():
 
 
 def test_last_used_is_updated_by_add_and_lookup():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0, tick=1.0)
     index = PrefixIndex(max_entries=1000, clock=clock)
     chain = block_hashes(tokens(8), BLOCK)
     index.add("a", chain)
