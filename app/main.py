@@ -102,7 +102,7 @@ def build_app(args: dict[str, Any]) -> Application:
     from app.lanes.hot import HotLane
     from app.prefix_cache.deployment import PrefixCache
     from app.prefix_cache.replica_feed import ReplicaPrefixFeed
-    from app.router.http import Router
+    from app.router.deployment import Router
 
     cfg = _resolve_local_paths(load_app_config(args))
     app_args = cfg.model_dump(mode="json")

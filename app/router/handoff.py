@@ -1,8 +1,8 @@
 """Decode handoff: an interactive request's first tokens on the hot lane, the rest of its answer on the cold lane.
 
 Why: on one GPU the hot lane's decode steps are what the lanes cost the batch work. Each hot step reads all the
-weights for the few interactive sequences it carries, on the GPU the cold lane needs (docs/benchmarks-gpu.md, round
-7: the split alone costs nothing; serving interactive decode on the hot lane costs ~12 % of the batch). In the cold
+weights for the few interactive sequences it carries, on the GPU the cold lane needs (measured on the H200: the split alone costs nothing;
+serving interactive decode on the hot lane costs ~12 % of the batch; docs/history.md). In the cold
 lane's large batch steps a few more sequences cost almost nothing. So the hot lane keeps what users feel first, the
 time to the first token, and the cold lane decodes the rest at interactive priority, ahead of every batch request.
 The price is the interactive request's time per output token: the cold lane's step time instead of the hot lane's.
@@ -11,21 +11,22 @@ The cold lane gets no KV from the hot lane: it recomputes the prompt plus the to
 next to the batch's). The continuation is the prompt's token ids followed by the generated ones, so nothing is
 re-tokenized and the answer goes on exactly where the hot lane stopped.
 
-Off by default (`admission.interactive_decode_handoff_tokens: 0`). Pure decisions; no Ray, no vLLM.
+Off by default (`admission.interactive_decode_handoff_tokens: 0`). A pure decision, one input of the routing
+decision (app/router/spill.py); no Ray, no vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from app.classes import Lane, RequestClass
-from app.router.spill import LaneCaps
+from app.router.lane_caps import LaneCaps
 
 REASON_DECODE_ON_COLD = "decode_on_cold"
 
 
 def handoff_after_tokens(*, request_class: RequestClass, lane: Lane, prompt_tokens: int, max_tokens: int,
-                         stop: Sequence[str], handoff_tokens: int, lane_caps: Mapping[Lane, LaneCaps]) -> int | None:
+                         has_stop_strings: bool, handoff_tokens: int, lane_caps: Mapping[Lane, LaneCaps]) -> int | None:
     """Tokens the hot lane generates before the cold lane continues the answer, or None: the hot lane serves it all.
 
     Only an interactive request routed to the hot lane is handed off (realtime keeps the hot lane's step time; a
@@ -37,15 +38,8 @@ def handoff_after_tokens(*, request_class: RequestClass, lane: Lane, prompt_toke
     if handoff_tokens <= 0 or request_class is not RequestClass.INTERACTIVE or lane is not Lane.HOT:
         return None
     cold = lane_caps.get(Lane.COLD)
-    if cold is None or max_tokens <= handoff_tokens or stop:
+    if cold is None or max_tokens <= handoff_tokens or has_stop_strings:
         return None
     if not cold.fits(prompt_tokens, max_tokens) or cold.clipped_max_tokens(max_tokens) < max_tokens:
         return None
     return handoff_tokens
-
-
-def continuation_lane(cold_lane_allowed: bool) -> Lane:
-    """Where the rest of the answer runs: the cold lane, or the hot lane again while the cold lane's breaker is open
-    (the client already has its first tokens; finishing on the hot lane beats failing)."""
-    return Lane.COLD if cold_lane_allowed else Lane.HOT
-

@@ -14,6 +14,7 @@ from typing import Any
 RUNNING = "RUNNING"
 # The lanes' deployment names, as app.main binds them.
 LANE_DEPLOYMENTS = {"hot": "HotLane", "cold": "ColdLane"}
+ROUTER_DEPLOYMENT = "Router"
 
 
 def _state_name(state: Any) -> str:

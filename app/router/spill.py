@@ -1,21 +1,30 @@
-"""Spill and degrade: which lane serves a request, at what priority, with how many output tokens.
+"""The one routing decision: which lane serves a request, at what priority, with how many output tokens, whether it
+waits in the Router for a hot-lane slot, and whether the cold lane takes over its decode.
 
 The rule, in order:
 1. Refuse (400) only what no lane can serve: prompt + max_tokens (after the lane's max_tokens cap) above every lane's
    max_model_len.
-2. Start from the class's home lane (realtime, interactive: hot; batch: cold).
-3. Long-context degrade: a prompt above `long_context_threshold` tokens goes to the cold lane, whatever its class,
+2. A decode continuation (the rest of an answer whose first tokens the hot lane generated) runs on the cold lane at
+   interactive priority, or on the hot lane again while the cold lane's breaker is open (the client already has its
+   first tokens: finishing beats failing).
+3. Start from the class's home lane (realtime, interactive: hot; batch: cold).
+4. Long-context degrade: a prompt above `long_context_threshold` tokens goes to the cold lane, whatever its class,
    so one long prefill does not stall everyone's TTFT on the hot lane.
-4. Saturation spill: interactive only (realtime never spills) goes to the cold lane when the hot lane is saturated or
-   its predicted queue wait exceeds the interactive TTFT SLO.
-   Borrowing, the other way: batch goes to the hot lane when the caller grants it `hot_batch_slots` (TrafficControl
-   does once the Router's cold share is taken, a loan of `hot_batch_borrow_max` is free, 0 by default, and no
-   interactive or realtime request waits), the hot lane is not saturated and the prompt is below the long-context
-   threshold; there it runs at batch priority, behind every other class.
-5. A lane that cannot fit the request, or whose breaker is open, hands over to the other lane when allowed: always
+5. Interactive on the hot lane (realtime never spills; the hot replicas' own gate orders it):
+   a. a hot replica refused this request for KV headroom, or one did a moment ago: the cold lane;
+   b. a hot-lane slot of this Router is free: the hot lane, now;
+   c. the predicted wait for a slot (from the slots in use and their recent hold times, `HotSlots`) is within the
+      interactive TTFT SLO: the hot lane, after waiting in the Router for a slot;
+   d. the cold lane has spill room: the cold lane;
+   e. otherwise 429 with a Retry-After of the time until a slot is expected within the SLO.
+   The Router never sends the hot engines more interactive work than they run at once, and never leaves a hot slot
+   idle while an interactive request waits for one.
+6. A lane that cannot fit the request, or whose breaker is open, hands over to the other lane when allowed: always
    for "does not fit"; for an open breaker only for interactive, or to bring a request back to its home lane
    (realtime stays on hot, batch stays off hot). Otherwise 503 with the breaker's Retry-After.
-6. max_tokens above the chosen lane's cap is clipped, not refused.
+7. max_tokens above the chosen lane's cap is clipped, not refused.
+8. Decode handoff: an interactive request that starts on the hot lane hands its decode to the cold lane after
+   `decode_handoff_tokens` tokens where app/router/handoff.py says it may.
 Every step that moves or changes a request adds a reason; the reasons go to a metric and the response header.
 """
 
@@ -26,17 +35,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from app.classes import CLASS_POLICIES, Lane, RequestClass, policy_for
+from app.router.handoff import REASON_DECODE_ON_COLD, handoff_after_tokens
+from app.router.lane_caps import LaneCaps
 
-# The tuning guide: sequences above 8K tokens degrade to the memory-efficient (cold) path.
-DEFAULT_LONG_CONTEXT_THRESHOLD = 8192
 # An interactive request on the cold lane runs ahead of batch work there (vLLM serves lower numbers first): it already
 # lost the hot lane's latency, it must not also queue behind the bulk backlog.
 COLD_LANE_INTERACTIVE_PRIORITY = CLASS_POLICIES[RequestClass.INTERACTIVE].priority
+# Retry-After is clamped: under 1 s clients hammer us, over 60 s they give up on a service that may recover sooner.
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 60
 
 REASON_LONG_CONTEXT = "long_context"
 REASON_HOT_SATURATED = "hot_saturated"
-REASON_BORROWED_HOT = "borrowed_hot"
+REASON_KV_HEADROOM = "hot_kv_headroom"
 REASON_MAX_TOKENS_CLIPPED = "max_tokens_clipped"
+# Every reason the decision can give, for dashboards and the doctor (the breaker and context ones name a lane).
+REASONS = (REASON_LONG_CONTEXT, REASON_HOT_SATURATED, REASON_KV_HEADROOM, REASON_MAX_TOKENS_CLIPPED,
+           REASON_DECODE_ON_COLD, "hot_breaker_open", "cold_breaker_open", "exceeds_hot_max_model_len",
+           "exceeds_cold_max_model_len")
 
 
 def reason_breaker_open(lane: Lane) -> str:
@@ -48,16 +64,12 @@ def reason_exceeds_context(lane: Lane) -> str:
 
 
 @dataclass(frozen=True)
-class LaneCaps:
-    max_model_len: int
-    # Largest max_tokens the lane accepts; a larger request is clipped to it. None: only max_model_len limits it.
-    max_tokens_cap: int | None = None
+class HotSlotState:
+    """This Router's hot-lane slots for interactive requests, as the decision sees them."""
 
-    def clipped_max_tokens(self, max_tokens: int) -> int:
-        return max_tokens if self.max_tokens_cap is None else min(max_tokens, self.max_tokens_cap)
-
-    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
-        return prompt_tokens + self.clipped_max_tokens(max_tokens) <= self.max_model_len
+    free: int
+    # Predicted wait for a slot of a request joining the line now (0 with a free slot; inf when unknown and full).
+    predicted_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -66,16 +78,23 @@ class RouteInputs:
     prompt_tokens: int
     max_tokens: int
     lane_caps: Mapping[Lane, LaneCaps]
-    long_context_threshold: int = DEFAULT_LONG_CONTEXT_THRESHOLD
-    # Predicted wait before a new interactive request starts on the best hot replica, vs. the interactive TTFT SLO.
-    predicted_hot_wait_s: float = 0.0
+    long_context_threshold: int
     interactive_ttft_slo_s: float = math.inf
-    # True when no hot replica can take an interactive request now (KV headroom used up, queues full).
-    hot_saturated: bool = False
+    # None: no Router-side slots (admission off, or a one-lane app): interactive goes to the hot lane at once.
+    hot_slots: HotSlotState | None = None
+    # May one more interactive request spill to the cold lane now (this Router's spill room there)?
+    cold_spill_room: bool = True
+    # A hot replica refused this request for KV headroom (it keeps the reserve for realtime).
+    hot_refused_for_kv: bool = False
+    # A hot replica refused another interactive request for KV headroom a moment ago.
+    hot_kv_exhausted: bool = False
     # Lanes whose breaker refuses requests now, with the breaker's Retry-After in seconds.
     open_breakers: Mapping[Lane, float] = field(default_factory=dict)
-    # Batch requests the hot lane may take now on loan from the cold lane (0: none; the caller counts the loans).
-    hot_batch_slots: int = 0
+    # Decode handoff (app/router/handoff.py): tokens the hot lane generates before the cold lane goes on (0: off).
+    decode_handoff_tokens: int = 0
+    has_stop_strings: bool = False
+    # This is the rest of an answer whose first tokens the hot lane generated.
+    continuation: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,20 +103,19 @@ class RouteDecision:
     priority: int
     max_tokens: int
     reasons: tuple[str, ...] = ()
-
-    @property
-    def degraded(self) -> bool:
-        return bool(self.reasons)
-
-    @property
-    def header_value(self) -> str:
-        """For the x-llm-lanes-degraded response header ("" when nothing was changed)."""
-        return ",".join(self.reasons)
+    # Wait in the Router for a hot-lane slot before starting (rule 5c).
+    wait_for_hot_slot: bool = False
+    # Holds a hot-lane slot of this Router while it runs (interactive on the hot lane).
+    takes_hot_slot: bool = False
+    # Holds spill room on the cold lane while it runs (interactive spilled for load).
+    takes_cold_spill: bool = False
+    # Tokens the hot lane generates before the cold lane continues the answer; None: one lane serves it all.
+    handoff_after: int | None = None
 
 
 @dataclass(frozen=True)
 class RouteRefusal:
-    status: int  # 400: no lane can ever serve it; 503: the lane that may serve it is down
+    status: int  # 400: no lane can ever serve it; 429: too many wait; 503: the lane that may serve it is down
     code: str
     message: str
     retry_after_s: int | None = None
@@ -110,6 +128,34 @@ def _other(lane: Lane) -> Lane:
 def _breaker_reroute_allowed(request_class: RequestClass, to_lane: Lane) -> bool:
     home = policy_for(request_class).lane
     return request_class is RequestClass.INTERACTIVE or to_lane is home
+
+
+def retry_after_s(seconds: float) -> int:
+    """Seconds for a Retry-After header: rounded up, clamped to [1, 60] (an unknown wait is the maximum)."""
+    if not math.isfinite(seconds):
+        return RETRY_AFTER_MAX_S
+    return int(min(max(math.ceil(seconds), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S))
+
+
+def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, bool] | RouteRefusal:
+    """Rule 5: (lane, wait for a hot slot) for an interactive request whose lane so far is the hot lane."""
+    cold_usable = Lane.COLD in inputs.lane_caps and Lane.COLD not in inputs.open_breakers
+    if inputs.hot_refused_for_kv or inputs.hot_kv_exhausted:
+        reasons.append(REASON_KV_HEADROOM if inputs.hot_refused_for_kv else REASON_HOT_SATURATED)
+        return Lane.COLD, False
+    slots = inputs.hot_slots
+    if slots is None or slots.free > 0:
+        return Lane.HOT, False
+    if slots.predicted_wait_s <= inputs.interactive_ttft_slo_s:
+        return Lane.HOT, True
+    if cold_usable and inputs.cold_spill_room:
+        reasons.append(REASON_HOT_SATURATED)
+        return Lane.COLD, False
+    wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_slo_s)
+    return RouteRefusal(429, "hot_lane_full",
+                        f"the hot lane is full and its queue would not start this request within the "
+                        f"{inputs.interactive_ttft_slo_s:g} s interactive TTFT target; retry in {wait} s",
+                        retry_after_s=wait)
 
 
 def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
@@ -131,38 +177,30 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
             f"length of every lane ({limits}); shorten the prompt or lower max_tokens",
         )
 
+    if inputs.continuation:
+        lane = Lane.COLD if Lane.COLD in inputs.lane_caps and Lane.COLD not in inputs.open_breakers else Lane.HOT
+        priority = COLD_LANE_INTERACTIVE_PRIORITY if lane is Lane.COLD else policy_for(cls).priority
+        return RouteDecision(lane=lane, priority=priority, max_tokens=inputs.max_tokens)
+
     reasons: list[str] = []
     lane = policy_for(cls).lane
+    wait_for_hot_slot = False
     cold_exists = Lane.COLD in inputs.lane_caps
     if lane is Lane.HOT and cold_exists and inputs.prompt_tokens > inputs.long_context_threshold:
         lane = Lane.COLD
         reasons.append(REASON_LONG_CONTEXT)
-    elif (
-        lane is Lane.HOT
-        and cold_exists
-        and cls is RequestClass.INTERACTIVE
-        and (inputs.hot_saturated or inputs.predicted_hot_wait_s > inputs.interactive_ttft_slo_s)
-    ):
-        lane = Lane.COLD
-        reasons.append(REASON_HOT_SATURATED)
-    elif (
-        cls is RequestClass.BATCH
-        and lane is Lane.COLD
-        and inputs.hot_batch_slots > 0
-        and not inputs.hot_saturated
-        and Lane.HOT in inputs.lane_caps
-        and Lane.HOT not in inputs.open_breakers
-        and fits.get(Lane.HOT, False)
-        and inputs.prompt_tokens <= inputs.long_context_threshold
-    ):
-        lane = Lane.HOT
-        reasons.append(REASON_BORROWED_HOT)
+    elif lane is Lane.HOT and cold_exists and cls is RequestClass.INTERACTIVE:
+        chosen = _interactive_on_hot(inputs, reasons)
+        if isinstance(chosen, RouteRefusal):
+            return chosen
+        lane, wait_for_hot_slot = chosen
 
     if not fits.get(lane, False):
         # Step 1 guarantees the other lane fits. A lane missing from lane_caps (a one-lane deployment) is no degrade.
         if lane in inputs.lane_caps:
             reasons.append(reason_exceeds_context(lane))
         lane = _other(lane)
+        wait_for_hot_slot = False
 
     if lane in inputs.open_breakers:
         other = _other(lane)
@@ -181,21 +219,24 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
             )
         reasons.append(reason_breaker_open(lane))
         lane = other
+        wait_for_hot_slot = False
 
     max_tokens = inputs.lane_caps[lane].clipped_max_tokens(inputs.max_tokens)
     if max_tokens < inputs.max_tokens:
         reasons.append(REASON_MAX_TOKENS_CLIPPED)
 
     priority = policy_for(cls).priority
-    if cls is RequestClass.INTERACTIVE and lane is Lane.COLD:
+    interactive = cls is RequestClass.INTERACTIVE
+    if interactive and lane is Lane.COLD:
         priority = COLD_LANE_INTERACTIVE_PRIORITY
-    return RouteDecision(lane=lane, priority=priority, max_tokens=max_tokens, reasons=tuple(reasons))
-
-
-def predicted_queue_wait_s(queue_len: int, drain_rate_per_s: float) -> float:
-    """Time until a request joining the back of a queue starts: queue length / observed drain rate."""
-    if queue_len <= 0:
-        return 0.0
-    if drain_rate_per_s <= 0:
-        return math.inf
-    return queue_len / drain_rate_per_s
+    takes_hot_slot = interactive and lane is Lane.HOT and inputs.hot_slots is not None
+    handoff_after = handoff_after_tokens(
+        request_class=cls, lane=lane, prompt_tokens=inputs.prompt_tokens, max_tokens=max_tokens,
+        has_stop_strings=inputs.has_stop_strings, handoff_tokens=inputs.decode_handoff_tokens,
+        lane_caps=inputs.lane_caps)
+    if handoff_after is not None:
+        reasons.append(REASON_DECODE_ON_COLD)
+    return RouteDecision(lane=lane, priority=priority, max_tokens=max_tokens, reasons=tuple(reasons),
+                         wait_for_hot_slot=wait_for_hot_slot and takes_hot_slot, takes_hot_slot=takes_hot_slot,
+                         takes_cold_spill=interactive and REASON_HOT_SATURATED in reasons and lane is Lane.COLD,
+                         handoff_after=handoff_after)

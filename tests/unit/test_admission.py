@@ -3,23 +3,13 @@ import math
 
 import pytest
 
-from app.lanes.admission import RETRY_AFTER_MAX_S, Decision, PriorityGate, kv_headroom_decision
-from app.router.admission import BackPressure, DrainRateEstimator, retry_after_seconds
+from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
+from app.router.admission import BackPressure
 from app.classes import RequestClass
+from tests.fakes import FakeClock
 
 RESERVE = 0.20  # the schema's admission.realtime_kv_reserve
 RT, IA, BA = RequestClass.REALTIME, RequestClass.INTERACTIVE, RequestClass.BATCH
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 async def settle() -> None:
@@ -193,60 +183,27 @@ def test_kv_headroom_validates_inputs():
     assert kv_headroom_decision(IA, 1.0, realtime_kv_reserve=0.0).decision is Decision.ADMIT
 
 
-# ---- drain rate, Retry-After, back-pressure --------------------------------------------------------------------------
+# ---- back-pressure --------------------------------------------------------------------------------------------------
 
 
-def test_drain_rate_converges_to_steady_rate_and_decays_when_idle():
-    clock = FakeClock()
-    estimator = DrainRateEstimator(time_constant_s=5.0, clock=clock)
-    assert estimator.rate_per_s() == 0.0
-    for _ in range(400):  # 4 completions/s for 100 s
-        clock.advance(0.25)
-        estimator.record_completion()
-    assert estimator.rate_per_s() == pytest.approx(4.0, rel=0.05)
-    clock.advance(5.0)  # one time constant without completions
-    assert estimator.rate_per_s() == pytest.approx(4.0 * math.exp(-1), rel=0.05)
-
-
-def test_retry_after_is_queue_over_rate_clamped():
-    assert retry_after_seconds(20, 4.0) == 5
-    assert retry_after_seconds(21, 4.0) == 6  # rounded up: never tell a client to come back too early
-    assert retry_after_seconds(1, 100.0) == 1
-    assert retry_after_seconds(10_000, 1.0) == 60
-    assert retry_after_seconds(5, 0.0) == RETRY_AFTER_MAX_S
-
-
-def test_back_pressure_rejects_over_bound_with_retry_after_from_drain_rate():
-    clock = FakeClock()
-    bp = BackPressure(bounds={RT: 2, IA: 3, BA: None}, clock=clock, drain_time_constant_s=5.0)
-    for _ in range(200):  # interactive drains at 2/s
-        clock.advance(0.5)
-        bp.record_completion(IA)
+def test_back_pressure_rejects_over_bound_with_the_callers_retry_after():
+    bp = BackPressure(bounds={RT: 2, IA: 3, BA: None})
     for _ in range(3):
-        assert bp.try_enqueue(IA).decision is Decision.ADMIT
-    over = bp.try_enqueue(IA)
-    assert over.decision is Decision.REJECT and "queue_full" in over.reason
-    assert over.retry_after_s == 2  # ceil(3 / ~2.0)
+        assert bp.try_enqueue(IA, retry_after_s=7).decision is Decision.ADMIT
+    over = bp.try_enqueue(IA, retry_after_s=7)
+    assert over.decision is Decision.REJECT and "queue_full" in over.reason and over.retry_after_s == 7
     assert bp.queued(IA) == 3
     bp.dequeue(IA)
-    assert bp.try_enqueue(IA).decision is Decision.ADMIT
+    assert bp.try_enqueue(IA, retry_after_s=7).decision is Decision.ADMIT
     # Classes have separate queues.
-    assert bp.try_enqueue(RT).decision is Decision.ADMIT
+    assert bp.try_enqueue(RT, retry_after_s=1).decision is Decision.ADMIT
 
 
-def test_back_pressure_without_drain_history_says_max_retry_after():
-    bp = BackPressure(bounds={RT: 0, IA: 1, BA: None}, clock=FakeClock())
-    rejected = bp.try_enqueue(RT)
-    assert rejected.decision is Decision.REJECT and rejected.retry_after_s == RETRY_AFTER_MAX_S
-
-
-def test_batch_never_rejected_while_lane_up_but_rejected_when_down():
-    bp = BackPressure(bounds={RT: 1, IA: 1, BA: 1}, clock=FakeClock())  # even a configured batch bound is ignored
+def test_batch_is_never_rejected_for_load():
+    bp = BackPressure(bounds={RT: 1, IA: 1, BA: 1})  # even a configured batch bound is ignored
     for _ in range(10_000):
-        assert bp.try_enqueue(BA).decision is Decision.ADMIT
+        assert bp.try_enqueue(BA, retry_after_s=1).decision is Decision.ADMIT
     assert bp.queued(BA) == 10_000
-    down = bp.try_enqueue(BA, lane_up=False)
-    assert down.decision is Decision.REJECT and down.reason == "lane_down" and down.retry_after_s >= 1
 
 
 def test_back_pressure_validates():

@@ -13,18 +13,18 @@ from app.lanes.types import LaneChunk, LaneRequest
 from app.router import openai_api as api
 from app.router.breaker import BreakerState
 from app.classes import Lane, RequestClass, policy_for
-from app.router.handoff import REASON_DECODE_ON_COLD, continuation_lane, handoff_after_tokens
-from app.router.spill import COLD_LANE_INTERACTIVE_PRIORITY, LaneCaps
-from tests.unit.test_observability_wiring import FakeLane, FakeStream, cpu_args, make_router
-
-# Router objects built without Serve still carry the ingress wrapper's async __del__.
-pytestmark = pytest.mark.filterwarnings("ignore:coroutine .*__del__.* was never awaited:RuntimeWarning")
+from app.router.endpoints import COMPLETION
+from app.router.handoff import REASON_DECODE_ON_COLD, handoff_after_tokens
+from app.router.http_api import sse_events
+from app.router.lane_caps import LaneCaps
+from app.router.spill import COLD_LANE_INTERACTIVE_PRIORITY
+from tests.router_fakes import FakeLane, FakeStream, cpu_args, make_router
 
 TWO_LANES = {Lane.HOT: LaneCaps(2048), Lane.COLD: LaneCaps(2048)}
 
 
 def plan(**overrides) -> int | None:
-    inputs = dict(request_class=RequestClass.INTERACTIVE, lane=Lane.HOT, prompt_tokens=100, max_tokens=32, stop=(),
+    inputs = dict(request_class=RequestClass.INTERACTIVE, lane=Lane.HOT, prompt_tokens=100, max_tokens=32, has_stop_strings=False,
                   handoff_tokens=1, lane_caps=TWO_LANES)
     return handoff_after_tokens(**{**inputs, **overrides})
 
@@ -43,18 +43,13 @@ def test_an_interactive_request_on_the_hot_lane_is_handed_off_after_the_set_toke
     {"lane": Lane.COLD},                                     # spilled to the cold lane already
     {"max_tokens": 1},                                       # nothing left after the hot part
     {"max_tokens": 4, "handoff_tokens": 4},
-    {"stop": ("\n\n",)},                                     # a stop string could straddle the boundary
+    {"has_stop_strings": True},                              # a stop string could straddle the boundary
     {"lane_caps": {Lane.HOT: LaneCaps(2048)}},               # no cold lane
     {"lane_caps": {Lane.HOT: LaneCaps(4096), Lane.COLD: LaneCaps(120)}},  # the cold lane can't hold it
     {"lane_caps": {Lane.HOT: LaneCaps(2048), Lane.COLD: LaneCaps(2048, max_tokens_cap=16)}},  # would be clipped
 ])
 def test_the_hot_lane_keeps_the_request_when_a_handoff_does_not_apply(overrides):
     assert plan(**overrides) is None
-
-
-def test_the_continuation_stays_on_the_hot_lane_while_the_cold_lane_is_refused():
-    assert continuation_lane(cold_lane_allowed=True) is Lane.COLD
-    assert continuation_lane(cold_lane_allowed=False) is Lane.HOT
 
 
 def test_a_one_lane_app_refuses_the_setting_and_names_the_fix():
@@ -93,21 +88,19 @@ class TokenLane(FakeLane):
 
 
 def handoff_router(tmp_path, tokens: int = 1, hot_eos_after: int | None = None):
-    router = make_router(tmp_path, admission={"interactive_decode_handoff_tokens": tokens})
-    router.lanes = {"hot": TokenLane("hot", 100, eos_after=hot_eos_after), "cold": TokenLane("cold", 500)}
-    return router
+    lanes = {"hot": TokenLane("hot", 100, eos_after=hot_eos_after), "cold": TokenLane("cold", 500)}
+    return make_router(tmp_path, lanes=lanes, admission={"interactive_decode_handoff_tokens": tokens})
 
 
 async def start(router, stream: bool, max_tokens: int = 5, **fields):
     body = api.CompletionRequest.model_validate({"model": "tiny", "prompt": "hello", "max_tokens": max_tokens,
                                                  "stream": stream, **fields})
-    lane_request, generation = await router._start(body, "completion", None,
-                                                   router._new_record(None, "completion"))
-    return lane_request, generation
+    call = await router.pipeline.start(COMPLETION, body)
+    return call.context.lane_request, call
 
 
 async def streamed_events(router, generation) -> list[dict]:
-    events = [e async for e in router._sse_events("completion", "id", "tiny", generation, include_usage=True)]
+    events = [e async for e in sse_events(router.pipeline, generation, include_usage=True)]
     assert events[-1] == "data: [DONE]\n\n"
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
@@ -141,7 +134,7 @@ async def test_a_streamed_answer_continues_on_the_cold_lane_after_its_first_toke
 async def test_an_answer_collected_whole_joins_both_parts(tmp_path):
     router = handoff_router(tmp_path, tokens=2)
     _, generation = await start(router, stream=False, max_tokens=6)
-    response = await router._collect("completion", "id", "tiny", generation)
+    response = await router.pipeline.collect(generation)
     assert response["choices"][0]["text"] == "t100.t101.t500.t501.t502.t503."
     assert response["choices"][0]["finish_reason"] == "length"
     assert response["usage"]["completion_tokens"] == 6
@@ -191,7 +184,7 @@ async def test_a_cold_lane_failure_after_the_first_token_ends_the_stream_with_an
     router = handoff_router(tmp_path)
     router.lanes["cold"] = DeadLane("cold")
     _, generation = await start(router, stream=True)
-    raw = [e async for e in router._sse_events("completion", "id", "tiny", generation, include_usage=True)]
+    raw = [e async for e in sse_events(router.pipeline, generation, include_usage=True)]
     events = [json.loads(e.removeprefix("data: ")) for e in raw]  # no [DONE]: the stream ended on the error
     texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
     assert texts == ["t100."]  # the first token, from the hot lane, reached the client

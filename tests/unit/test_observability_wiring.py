@@ -1,4 +1,4 @@
-"""Issue 6 wiring: the observability config block, the Router's gRPC methods, request metrics and traces, and the
+"""Observability wiring: the observability config block, the Router's gRPC methods, request metrics and traces, and the
 lane replica's trace and engine gauges -- driven through the real Router/LaneReplica code with fake lanes, a fake
 metrics backend, a fake tokenizer and a real SQLite batch store (no Ray cluster, no vLLM engine)."""
 
@@ -14,29 +14,21 @@ import grpc
 import pytest
 import yaml
 
-from app.batch.dispatcher import BatchDispatcher
-from app.batch.window import ConcurrencyWindow
+from app.classes import Lane
 from app.config import TRACING_EXPORTERS, ConfigError, load_app_config
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, SamplingOptions
 from app.observability import tracing as tr
 from app.observability.metrics import LlmLanesMetrics
 from app.prefix_cache.replica_feed import ReplicaPrefixFeed
 from app.proto import convert
+from app.router.deployment import publish_router_gauges
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+from tests.router_fakes import FakeMetricsModule, cpu_args, make_router
 from tests.unit.grpc_fakes import FakeServicerContext
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = sorted((REPO / "serve_configs").glob("*.yaml"))
 TRACEPARENT = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
-# Router objects built without Serve still carry the ingress wrapper's async __del__.
-pytestmark = pytest.mark.filterwarnings("ignore:coroutine .*__del__.* was never awaited:RuntimeWarning")
-
-
-def cpu_args(**extra):
-    lane = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32"}, "deployment": {}}
-    return {"device": "cpu", "model": {"source": "models/tiny-llama", "served_name": "tiny", "max_model_len": 2048},
-            "hot_lane": yaml.safe_load(yaml.safe_dump(lane)), "cold_lane": yaml.safe_load(yaml.safe_dump(lane)),
-            **extra}
 
 
 # ---- config -------------------------------------------------------------------------------------------------------
@@ -103,109 +95,6 @@ def test_every_serve_config_wires_the_grpc_servicers(path):
 # ---- fakes --------------------------------------------------------------------------------------------------------
 
 
-class FakeMetricsModule:
-    """Stands in for ray.serve.metrics: records every observation as (metric name, value, tags)."""
-
-    def __init__(self):
-        self.samples: list[tuple[str, float, dict[str, str]]] = []
-        recorder = self
-
-        class _Metric:
-            def __init__(self, name, description="", tag_keys=(), boundaries=None):
-                self.name, self.tag_keys = name, tuple(tag_keys)
-
-            def _record(self, value, tags):
-                assert set(tags or {}) == set(self.tag_keys), (self.name, tags)
-                assert all(isinstance(v, str) for v in (tags or {}).values())
-                recorder.samples.append((self.name, value, dict(tags or {})))
-
-            inc = observe = set = _record
-
-        self.Counter = self.Gauge = self.Histogram = _Metric
-
-    def of(self, name: str) -> list[tuple[float, dict[str, str]]]:
-        return [(value, tags) for metric, value, tags in self.samples if metric == name]
-
-
-class FakeTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [1 + ord(c) % 200 for c in text]
-
-    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False):
-        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
-
-    def __len__(self):
-        return 256
-
-
-class FakeStream:
-    def __init__(self, chunks):
-        self._chunks = iter(chunks)
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.sleep(0)
-        try:
-            return next(self._chunks)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class FakeLane:
-    """A lane handle: `.options(stream=True).generate.remote(request)` streams three chunks of 2 tokens each."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.requests: list[LaneRequest] = []
-
-    def options(self, **_):
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    def remote(self, request: LaneRequest) -> FakeStream:
-        self.requests.append(request)
-        prompt = len(request.prompt_token_ids)
-        texts = ["ab", "cd", "ef"] if request.stream else ["abcdef"]
-        chunks = []
-        for i, text in enumerate(texts):
-            done = i == len(texts) - 1
-            tokens = 6 if done else 2 * (i + 1)
-            chunks.append(LaneChunk(text=text, completion_tokens=tokens, prompt_tokens=prompt,
-                                    finish_reason="length" if done else None, lane=self.name))
-        return FakeStream(chunks)
-
-
-def make_router(tmp_path, tracing_exporter=None, **cfg_extra):
-    """A Router object with its real request path and fakes around it (no __init__: no Serve, no tokenizer load)."""
-    from app.batch.open_store import open_batch_store
-    from app.router.control import TrafficControl
-    from app.router.http import Router
-
-    router = object.__new__(Router.func_or_class)
-    router.cfg = load_app_config(cpu_args(**cfg_extra))
-    router.control = TrafficControl(router.cfg)
-    router.lanes = {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
-    router.prefix_cache = None
-    router.tokenizer = FakeTokenizer()
-    router.metrics_backend = FakeMetricsModule()
-    router.metrics = LlmLanesMetrics(metrics_module=router.metrics_backend)
-    router.tracing = tr.setup_tracing({"exporter": tracing_exporter or "none"}, component="Router")
-    router.batch_store = open_batch_store(str(tmp_path / "batches.sqlite3"))
-    # Never run: admin stats only read its window, limit and counts.
-    router.dispatcher = BatchDispatcher(router.batch_store, router._execute_batch_line, window=ConcurrencyWindow(16, 32))
-    router._wire_batch_slots()
-    return router
-
-
 def grpc_context(metadata=(("application", "llm-lanes"),)):
     from ray.serve.grpc_util import RayServegRPCContext  # import only: no Ray cluster starts
 
@@ -229,7 +118,7 @@ async def collect(stream) -> list:
 
 
 def test_outcome_for_status_and_reason_label():
-    from app.router.http import outcome_for_status, reason_label
+    from app.router.record import outcome_for_status, reason_label
 
     assert [outcome_for_status(s) for s in (200, 400, 404, 429, 499, 503, 504, 408)] == [
         "success", "error", "error", "rejected", "cancelled", "error", "timeout", "timeout"]
@@ -266,7 +155,7 @@ async def test_grpc_complete_takes_the_http_path_and_records_metrics(tmp_path):
     # In the queue from admission to the first chunk: 1, then 0 (the periodic publisher writes every class).
     assert backend.of("llm_lanes_queue_depth") == [(1.0, {"request_class": "interactive"}),
                                                    (0.0, {"request_class": "interactive"})]
-    router._publish_queue_depths()
+    await publish_router_gauges(router.batch_store, router.control, router.metrics)
     assert {tags["request_class"] for _, tags in backend.of("llm_lanes_queue_depth")} == {
         "realtime", "interactive", "batch"}
 
@@ -382,7 +271,8 @@ async def test_grpc_get_stats_is_the_admin_document(tmp_path):
         def __init__(self, body):
             self.stats = SimpleNamespace(remote=lambda: asyncio.sleep(0, result=body))
 
-    router.lanes = {"hot": StatsHandle({"running": 1, "lane": "hot"}), "cold": StatsHandle({"running": 2})}
+    router.lane_handles = {Lane.HOT: StatsHandle({"running": 1, "lane": "hot"}),
+                           Lane.COLD: StatsHandle({"running": 2})}
     router.prefix_cache = StatsHandle({"entries": 3})
     reply = await router.GetStats(pb.GetStatsRequest(), grpc_context=grpc_context())
     document = reply.stats
@@ -417,9 +307,9 @@ async def test_grpc_submit_and_get_batch_use_the_batch_store(tmp_path):
 async def test_grpc_health_check_list_and_watch(tmp_path, monkeypatch):
     from grpc_health.v1 import health_pb2
 
-    from app.router import http
+    from app.router import grpc_api
 
-    monkeypatch.setattr(http, "HEALTH_WATCH_INTERVAL_S", 0.01)
+    monkeypatch.setattr(grpc_api, "HEALTH_WATCH_INTERVAL_S", 0.01)
     router = make_router(tmp_path)
     serving = health_pb2.HealthCheckResponse.SERVING
     assert (await router.Check(health_pb2.HealthCheckRequest(), grpc_context=grpc_context())).status == serving
@@ -476,8 +366,7 @@ async def test_http_path_continues_the_traceparent_header_and_honours_the_class_
     router = make_router(tmp_path, tracing_exporter="memory")
     request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
                        "headers": [(b"traceparent", TRACEPARENT.encode()), (b"x-request-class", b"batch")]})
-    response = await router._serve(api.CompletionRequest(model="tiny", prompt="hi", max_tokens=6), request,
-                                   "completion")
+    response = await router.completions(api.CompletionRequest(model="tiny", prompt="hi", max_tokens=6), request)
     assert response.status_code == 200 and response.headers["x-llm-lanes-lane"] == "cold"
     request_span = next(s for s in router.tracing.finished_spans() if s["name"] == tr.SPAN_REQUEST)
     assert request_span["trace_id"] == "a" * 32
@@ -492,14 +381,7 @@ async def test_router_publishes_the_batch_backlog(tmp_path):
     batch = await router.SubmitBatch(pb.SubmitBatchRequest(input_content=lines, endpoint="/v1/completions"),
                                      grpc_context=grpc_context())
     assert batch.request_counts.total == 3
-    task = asyncio.create_task(router._publish_backlog_metrics_forever())
-    try:
-        for _ in range(100):
-            if router.metrics_backend.of("llm_lanes_batch_backlog_lines"):
-                break
-            await asyncio.sleep(0.02)
-    finally:
-        task.cancel()
+    await publish_router_gauges(router.batch_store, router.control, router.metrics)
     assert router.metrics_backend.of("llm_lanes_batch_backlog_lines") == [(3.0, {})]
     assert len(router.metrics_backend.of("llm_lanes_queue_depth")) == 3
 

@@ -1,7 +1,7 @@
 """prompt_size(): what decides whether the Router tokenizes a request inline or on its worker thread."""
 
 from app.router import openai_api as api
-from app.router.http import TOKENIZE_INLINE_MAX_CHARS
+from app.router.pipeline import TOKENIZE_INLINE_MAX_CHARS
 
 
 def chat(*contents):

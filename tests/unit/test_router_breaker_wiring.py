@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 from app.router.breaker import BreakerState
 from app.classes import Lane
-from tests.unit.test_observability_wiring import FakeLane, make_router
+from app.router.batch_api import _execute_batch_line_once
+from tests.router_fakes import FakeLane, make_router
 
 
 class DeadStream:
@@ -34,10 +35,10 @@ async def test_lane_failures_open_its_breaker_and_then_fail_fast(tmp_path):
     router.lanes["cold"] = DeadLane("cold")
     threshold = router.cfg.admission.breaker.failure_threshold
     for i in range(threshold):
-        result = await router._execute_batch_line_once(line(i))
+        result = await _execute_batch_line_once(router.pipeline, line(i))
         assert result["status_code"] == 503 and result["body"]["error"]["code"] == "lane_unavailable"
     assert router.control.breakers[Lane.COLD].state is BreakerState.OPEN
     calls = len(router.lanes["cold"].requests)
-    refused = await router._execute_batch_line_once(line(99))
+    refused = await _execute_batch_line_once(router.pipeline, line(99))
     assert refused["status_code"] == 503 and refused["body"]["error"]["code"] == "cold_breaker_open"
     assert len(router.lanes["cold"].requests) == calls, "an open breaker fails fast without calling the lane"

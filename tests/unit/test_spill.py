@@ -3,14 +3,15 @@ import math
 import pytest
 
 from app.classes import CLASS_POLICIES, Lane, RequestClass
+from app.router.lane_caps import LaneCaps
 from app.router.spill import (
     COLD_LANE_INTERACTIVE_PRIORITY,
-    LaneCaps,
+    HotSlotState,
     RouteDecision,
     RouteInputs,
     RouteRefusal,
     decide_route,
-    predicted_queue_wait_s,
+    retry_after_s,
 )
 
 RT, IA, BA = RequestClass.REALTIME, RequestClass.INTERACTIVE, RequestClass.BATCH
@@ -18,8 +19,12 @@ HOT, COLD = Lane.HOT, Lane.COLD
 CAPS = {HOT: LaneCaps(max_model_len=16384, max_tokens_cap=1024), COLD: LaneCaps(max_model_len=32768)}
 
 
+FULL = HotSlotState(free=0, predicted_wait_s=5.0)  # no free hot slot, a 5 s wait for one
+
+
 def route(request_class=IA, prompt_tokens=100, max_tokens=64, **kwargs) -> RouteDecision | RouteRefusal:
     kwargs.setdefault("lane_caps", CAPS)
+    kwargs.setdefault("long_context_threshold", 8192)
     return decide_route(RouteInputs(request_class, prompt_tokens, max_tokens, **kwargs))
 
 
@@ -29,7 +34,7 @@ def test_each_class_goes_home_undegraded():
         assert isinstance(decision, RouteDecision)
         assert decision.lane is CLASS_POLICIES[cls].lane
         assert decision.priority == CLASS_POLICIES[cls].priority
-        assert decision.max_tokens == 64 and decision.reasons == () and not decision.degraded
+        assert decision.max_tokens == 64 and decision.reasons == ()
 
 
 def test_long_context_degrades_to_cold_for_hot_classes():
@@ -43,25 +48,67 @@ def test_long_context_degrades_to_cold_for_hot_classes():
     assert route(IA, prompt_tokens=600, long_context_threshold=512).lane is COLD
 
 
-def test_interactive_spills_when_hot_wait_exceeds_slo_or_hot_saturated():
-    spilled = route(IA, predicted_hot_wait_s=1.5, interactive_ttft_slo_s=1.0)
-    assert spilled.lane is COLD and spilled.reasons == ("hot_saturated",)
+def test_interactive_takes_a_free_hot_slot_at_once():
+    decision = route(IA, hot_slots=HotSlotState(free=1, predicted_wait_s=0.0), interactive_ttft_slo_s=1.0)
+    assert decision.lane is HOT and decision.takes_hot_slot and not decision.wait_for_hot_slot
+
+
+def test_interactive_waits_for_a_hot_slot_when_the_wait_is_within_the_slo():
+    decision = route(IA, hot_slots=HotSlotState(free=0, predicted_wait_s=1.0), interactive_ttft_slo_s=1.0)
+    assert decision.lane is HOT and decision.wait_for_hot_slot and decision.takes_hot_slot and decision.reasons == ()
+
+
+def test_interactive_spills_past_a_full_hot_lane_while_the_cold_lane_has_room():
+    spilled = route(IA, hot_slots=FULL, interactive_ttft_slo_s=1.0)
+    assert spilled.lane is COLD and spilled.reasons == ("hot_saturated",) and spilled.takes_cold_spill
     assert spilled.priority < CLASS_POLICIES[BA].priority  # ahead of the batch backlog on the cold lane
-    assert route(IA, predicted_hot_wait_s=1.0, interactive_ttft_slo_s=1.0).lane is HOT
-    assert route(IA, hot_saturated=True).lane is COLD
+    assert not spilled.takes_hot_slot and not spilled.wait_for_hot_slot
 
 
-def test_realtime_never_spills_for_saturation():
-    decision = route(RT, predicted_hot_wait_s=100, interactive_ttft_slo_s=1.0, hot_saturated=True)
-    assert decision.lane is HOT and decision.reasons == ()
+def test_interactive_is_refused_429_when_neither_lane_can_start_it_in_time():
+    refusal = route(IA, hot_slots=FULL, interactive_ttft_slo_s=1.0, cold_spill_room=False)
+    assert isinstance(refusal, RouteRefusal) and refusal.status == 429 and refusal.code == "hot_lane_full"
+    assert refusal.retry_after_s == 4  # the wait past the SLO: 5 s - 1 s
+    cold_down = route(IA, hot_slots=FULL, interactive_ttft_slo_s=1.0, open_breakers={COLD: 3})
+    assert isinstance(cold_down, RouteRefusal) and cold_down.status == 429
+
+
+def test_a_kv_headroom_refusal_sends_interactive_to_the_cold_lane():
+    refused = route(IA, hot_slots=HotSlotState(free=3, predicted_wait_s=0.0), hot_refused_for_kv=True)
+    assert refused.lane is COLD and refused.reasons == ("hot_kv_headroom",)
+    recently = route(IA, hot_slots=HotSlotState(free=3, predicted_wait_s=0.0), hot_kv_exhausted=True)
+    assert recently.lane is COLD and recently.reasons == ("hot_saturated",)
+
+
+def test_realtime_never_spills_and_never_waits_for_a_router_slot():
+    decision = route(RT, hot_slots=FULL, interactive_ttft_slo_s=1.0, hot_kv_exhausted=True, cold_spill_room=False)
+    assert decision.lane is HOT and decision.reasons == () and not decision.takes_hot_slot
+
+
+def test_retry_after_is_rounded_up_and_clamped():
+    assert retry_after_s(0.2) == 1 and retry_after_s(4.1) == 5 and retry_after_s(600) == 60
+    assert retry_after_s(math.inf) == 60
+
+
+def test_a_continuation_runs_on_the_cold_lane_or_back_on_hot_while_cold_is_down():
+    cold = route(IA, continuation=True)
+    assert cold.lane is COLD and cold.priority == COLD_LANE_INTERACTIVE_PRIORITY and cold.reasons == ()
+    hot = route(IA, continuation=True, open_breakers={COLD: 2})
+    assert hot.lane is HOT and hot.priority == CLASS_POLICIES[IA].priority
+
+
+def test_the_decode_handoff_is_part_of_the_decision():
+    decision = route(IA, max_tokens=10, decode_handoff_tokens=1)
+    assert decision.lane is HOT and decision.handoff_after == 1 and decision.reasons == ("decode_on_cold",)
+    assert route(IA, max_tokens=10, decode_handoff_tokens=1, has_stop_strings=True).handoff_after is None
+    assert route(RT, max_tokens=10, decode_handoff_tokens=1).handoff_after is None
 
 
 def test_max_tokens_clipped_to_lane_cap_not_refused():
     decision = route(IA, max_tokens=4000)
     assert decision.lane is HOT and decision.max_tokens == 1024 and decision.reasons == ("max_tokens_clipped",)
-    assert decision.header_value == "max_tokens_clipped"
     # Clipped after a spill: the cold lane has no cap, so nothing is clipped there.
-    spilled = route(IA, max_tokens=4000, hot_saturated=True)
+    spilled = route(IA, max_tokens=4000, hot_kv_exhausted=True)
     assert spilled.lane is COLD and spilled.max_tokens == 4000 and spilled.reasons == ("hot_saturated",)
 
 
@@ -90,7 +137,7 @@ def test_interactive_rerouted_around_open_breaker():
     assert to_cold.lane is COLD and to_cold.reasons == ("hot_breaker_open",)
     assert to_cold.priority == COLD_LANE_INTERACTIVE_PRIORITY
     # Spilled to cold but cold is down: back home to hot.
-    back = route(IA, hot_saturated=True, open_breakers={COLD: 3})
+    back = route(IA, hot_kv_exhausted=True, open_breakers={COLD: 3})
     assert back.lane is HOT and back.reasons == ("hot_saturated", "cold_breaker_open")
 
 
@@ -118,7 +165,7 @@ def test_reroute_needs_the_other_lane_to_fit():
 
 def test_single_lane_deployment_never_degrades_to_a_missing_lane():
     hot_only = {HOT: LaneCaps(16384)}
-    decision = route(IA, prompt_tokens=9000, hot_saturated=True, lane_caps=hot_only)
+    decision = route(IA, prompt_tokens=9000, hot_kv_exhausted=True, lane_caps=hot_only)
     assert decision.lane is HOT and decision.reasons == ()
     batch = route(BA, lane_caps=hot_only)
     assert batch.lane is HOT and batch.reasons == ()
@@ -129,7 +176,6 @@ def test_reasons_combine_in_order():
     decision = route(IA, prompt_tokens=10000, max_tokens=2000, lane_caps=caps)
     assert decision.lane is COLD and decision.max_tokens == 512
     assert decision.reasons == ("long_context", "max_tokens_clipped")
-    assert decision.header_value == "long_context,max_tokens_clipped"
 
 
 def test_input_validation():
@@ -137,33 +183,3 @@ def test_input_validation():
         route(IA, max_tokens=0)
     with pytest.raises(ValueError):
         route(IA, prompt_tokens=-1)
-
-
-def test_predicted_queue_wait():
-    assert predicted_queue_wait_s(0, 0.0) == 0.0
-    assert predicted_queue_wait_s(10, 4.0) == 2.5
-    assert predicted_queue_wait_s(3, 0.0) == math.inf
-
-
-def test_batch_borrows_the_hot_lane_only_with_a_free_slot():
-    assert route(BA).lane is COLD  # no slots: batch stays home
-    borrowed = route(BA, hot_batch_slots=1)
-    assert borrowed.lane is HOT and borrowed.reasons == ("borrowed_hot",)
-    assert borrowed.priority == CLASS_POLICIES[BA].priority  # behind every interactive and realtime request there
-    assert route(BA, max_tokens=4000, hot_batch_slots=1).max_tokens == 1024  # the hot lane's cap applies
-
-
-@pytest.mark.parametrize("blocker", [
-    {"hot_saturated": True},
-    {"open_breakers": {HOT: 5.0}},
-    {"prompt_tokens": 9000},                         # a long prompt is the cold lane's work whatever its class
-    {"prompt_tokens": 16000, "max_tokens": 500},     # does not fit the hot lane's context
-    {"lane_caps": {COLD: CAPS[COLD]}},               # a cold-only deployment has no hot lane to borrow
-])
-def test_batch_is_not_lent_to_a_hot_lane_that_cannot_take_it(blocker):
-    decision = route(BA, hot_batch_slots=4, **blocker)
-    assert decision.lane is COLD and "borrowed_hot" not in decision.reasons
-
-
-def test_other_classes_ignore_hot_batch_slots():
-    assert route(IA, hot_batch_slots=4).reasons == () and route(RT, hot_batch_slots=4).reasons == ()

@@ -1,0 +1,143 @@
+"""The OpenAI Files + Batches surface, and the executor that runs one batch line through the request pipeline.
+
+`BatchApi` is a plain class whose methods become FastAPI routes on the Router deployment (BATCH_ROUTES); it expects
+the deployment to set `pipeline`, `batch_store` and `dispatcher`. The gRPC surface uses `submit_batch` and
+`batch_with_output`; store errors map to OpenAI errors in one place (`openai_error_from_store`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import File, Form, Query, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from app.batch import openai_shapes as batch_shapes
+from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
+from app.router import openai_api as api
+from app.router.endpoints import ENDPOINTS_BY_PATH
+from app.router.pipeline import RequestPipeline
+
+# 503 codes that mean "the lane is down for now", not "this request is bad": a batch line waits them out.
+LANE_DOWN_CODES = {"lane_unavailable", "lanes_saturated", "cold_breaker_open", "hot_breaker_open"}
+BATCH_LANE_DOWN_RETRY_S = 1.0
+BATCH_LANE_DOWN_MAX_WAIT_S = 600.0
+
+
+class CreateBatchRequest(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+def openai_error_from_store(error: BatchStoreError) -> api.OpenAIError:
+    status = 404 if isinstance(error, NotFoundError) else 409 if isinstance(error, ConflictError) else 400
+    return api.OpenAIError(status, str(error), code={404: "not_found", 409: "conflict"}.get(status))
+
+
+async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
+    """One batch line through the same validation and lane path as an HTTP request, at batch class.
+
+    Batch work is never refused for load: while its lane is unavailable (breaker open, replica restarting) the
+    line waits here, its lease renewed by the dispatcher, instead of spending its attempts in seconds.
+    """
+    waited_s = 0.0
+    while True:
+        result = await _execute_batch_line_once(pipeline, line)
+        error = result["body"].get("error") if isinstance(result["body"], dict) else None
+        lane_down = result["status_code"] == 503 and error and error.get("code") in LANE_DOWN_CODES
+        if not lane_down or waited_s >= BATCH_LANE_DOWN_MAX_WAIT_S:
+            return result
+        await asyncio.sleep(BATCH_LANE_DOWN_RETRY_S)
+        waited_s += BATCH_LANE_DOWN_RETRY_S
+
+
+async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
+    endpoint = ENDPOINTS_BY_PATH[line.url]
+    try:
+        body = endpoint.validate({**line.body, "stream": False, "service_tier": "flex"})
+        call = await pipeline.start(endpoint, body)
+        return {"status_code": 200, "body": await pipeline.collect(call), "request_id": call.context.request_id}
+    except ValidationError as error:
+        converted = api.validation_error(error.errors())
+        return {"status_code": converted.status, "body": converted.body()}
+    except api.OpenAIError as error:
+        return {"status_code": error.status, "body": error.body()}
+
+
+class BatchApi:
+    pipeline: RequestPipeline
+
+    async def upload_file(self, file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:
+        if purpose != "batch":
+            raise api.OpenAIError(400, f"purpose {purpose!r} is not supported: use 'batch'", param="purpose")
+        limit = self.pipeline.cfg.batch.max_file_bytes
+        content = await file.read(limit + 1)
+        if len(content) > limit:
+            raise api.OpenAIError(413, f"file is larger than the {limit}-byte limit: split it into several batches",
+                                  param="file", code="file_too_large")
+        record = await asyncio.to_thread(self.batch_store.create_file, purpose, file.filename or "batch.jsonl",
+                                         content)
+        return batch_shapes.file_object(record)
+
+    async def get_file(self, file_id: str) -> dict[str, Any]:
+        return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id))
+
+    async def get_file_content(self, file_id: str) -> Response:
+        content = await asyncio.to_thread(self.batch_store.file_content, file_id)
+        return Response(content, media_type="application/jsonl")
+
+    async def create_batch(self, body: CreateBatchRequest) -> dict[str, Any]:
+        record = await asyncio.to_thread(self.batch_store.create_batch, body.input_file_id, body.endpoint,
+                                         body.completion_window, body.metadata)
+        self.dispatcher.notify_new_work()
+        return batch_shapes.batch_object(record)
+
+    async def get_batch(self, batch_id: str) -> dict[str, Any]:
+        return batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, batch_id))
+
+    async def list_batches(self, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+        page = await asyncio.to_thread(self.batch_store.list_batches, after, limit)
+        return batch_shapes.list_object([batch_shapes.batch_object(b) for b in page.data], page.has_more)
+
+    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(self.batch_store.cancel_batch, batch_id)
+        return batch_shapes.batch_object(record)
+
+    async def submit_batch(self, filename: str, content: bytes, endpoint: str, completion_window: str,
+                           metadata: dict[str, str] | None) -> dict[str, Any]:
+        """Upload + create in one step (gRPC SubmitBatch). Raises OpenAIError or BatchStoreError."""
+        limit = self.pipeline.cfg.batch.max_file_bytes
+        if len(content) > limit:
+            raise api.OpenAIError(413, f"input_content is larger than the {limit}-byte limit: split it into several "
+                                       "batches", param="input_content", code="file_too_large")
+        file = await asyncio.to_thread(self.batch_store.create_file, "batch", filename, content)
+        record = await asyncio.to_thread(self.batch_store.create_batch, file.id, endpoint, completion_window,
+                                         metadata)
+        self.dispatcher.notify_new_work()
+        return batch_shapes.batch_object(record)
+
+    async def batch_with_output(self, batch_id: str, include_output: bool) -> tuple[dict[str, Any], bytes, bytes]:
+        """A batch object and, when asked, its output and error files' contents (gRPC GetBatch)."""
+        batch = batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, batch_id))
+        output = error_lines = b""
+        if include_output:
+            if batch.get("output_file_id"):
+                output = await asyncio.to_thread(self.batch_store.file_content, batch["output_file_id"])
+            if batch.get("error_file_id"):
+                error_lines = await asyncio.to_thread(self.batch_store.file_content, batch["error_file_id"])
+        return batch, output, error_lines
+
+
+BATCH_ROUTES = {
+    "upload_file": lambda app: app.post("/v1/files"),
+    "get_file": lambda app: app.get("/v1/files/{file_id}"),
+    "get_file_content": lambda app: app.get("/v1/files/{file_id}/content"),
+    "create_batch": lambda app: app.post("/v1/batches"),
+    "get_batch": lambda app: app.get("/v1/batches/{batch_id}"),
+    "list_batches": lambda app: app.get("/v1/batches"),
+    "cancel_batch": lambda app: app.post("/v1/batches/{batch_id}/cancel"),
+}

@@ -1,0 +1,190 @@
+"""The Router deployment: wiring only. It builds the request pipeline and the batch dispatcher, reads replica counts
+from Serve, and carries the three surfaces (HTTP, gRPC, Files/Batches), whose methods become its routes and RPCs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from app.batch.store import BatchStoreError
+from app.classes import Lane
+from app.config import load_app_config
+from app.lanes.replica_stats import merge_replica_stats
+from app.lanes.types import LaneRequest
+from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
+from app.prefix_cache.mirror import mirror_stats
+from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
+from app.router.control import TrafficControl
+from app.router.grpc_api import GrpcApi
+from app.router.http_api import HTTP_ROUTES, HttpApi, make_http_app
+from app.router.pipeline import RequestPipeline
+from app.router.prompts import PromptTokenizer
+from app.router.replica_counts import LANE_DEPLOYMENTS, ROUTER_DEPLOYMENT, running_replicas
+
+logger = logging.getLogger(__name__)
+LANE_OF_DEPLOYMENT = {deployment: lane for lane, deployment in LANE_DEPLOYMENTS.items()}
+# How often each Router replica publishes the batch backlog and its admission queue depths, and re-reads the
+# running replica counts its shares follow.
+BACKLOG_METRICS_INTERVAL_S = 5.0
+# An admin stats call to a lane or the PrefixCache that takes longer than this is reported as an error.
+ADMIN_CALL_TIMEOUT_S = 5.0
+
+
+async def publish_router_gauges(batch_store, control: TrafficControl, metrics) -> None:
+    """The batch backlog (read from the shared store) and this Router's admission queue depths, as gauges."""
+    backlog = await asyncio.to_thread(batch_store.backlog_stats)
+    metrics.set_batch_backlog(backlog.pending_lines)
+    for request_class, depth in control.queue_depths().items():
+        metrics.set_queue_depth(depth, request_class=request_class)
+
+
+async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, control: TrafficControl,
+                         dispatcher) -> dict[str, Any]:
+    """GET /v1/admin/stats and gRPC GetStats: every lane replica's stats, the PrefixCache's, and this Router's."""
+    async def ask(handle, method: str):
+        try:
+            return await asyncio.wait_for(getattr(handle, method).remote(), timeout=ADMIN_CALL_TIMEOUT_S)
+        except Exception as error:
+            return {"error": str(error)}
+
+    lanes = list(lane_handles)
+    *live, prefix, registry = await asyncio.gather(
+        *(ask(lane_handles[lane], "stats") for lane in lanes), ask(prefix_cache, "stats"),
+        ask(prefix_cache, "replica_stats"))
+    return {
+        "lanes": {lane.value: merge_replica_stats(answer, registry.get(lane.value, [])
+                                                  if "error" not in registry else [])
+                  for lane, answer in zip(lanes, live)},
+        "prefix_cache": prefix,
+        "router": {"breakers": control.breaker_states(), "queued_by_class": control.queue_depths(),
+                   # This Router's share of the hot engines' slots for interactive requests, and of the cold
+                   # lane's room for spilled ones: limit, in flight, waiting, peak, hold time.
+                   **control.slot_stats(),
+                   # The window is per cold replica; this Router keeps its share of window x cold replicas.
+                   "batch_window": dispatcher.window.size,
+                   "batch_in_flight_limit": dispatcher.capacity,
+                   "batch_in_flight": dispatcher.in_flight,
+                   "replicas_seen": {"cold": dispatcher.cold_replicas, "router": dispatcher.router_replicas},
+                   # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
+                   "replica_routing": all_decision_stats(),
+                   # Its copy of the prefix index (prefix_cache.lookup: local_mirror): size, age, syncs.
+                   "prefix_index_mirror": mirror_stats()},
+    }
+
+
+class ServeLaneClients:
+    """The lanes' Serve handles as the pipeline's LaneClients: one streaming `generate` call per open()."""
+
+    def __init__(self, handles: dict[Lane, Any]):
+        self.handles = handles
+
+    def open(self, lane: Lane, request: LaneRequest):
+        return self.handles[lane].options(stream=True).generate.remote(request)
+
+
+class RouterReplica(HttpApi, BatchApi, GrpcApi):
+    async def __init__(self, app_args: dict[str, Any], hot_lane, cold_lane, prefix_cache):
+        from transformers import AutoTokenizer
+
+        from app.batch.dispatcher import BatchDispatcher
+        from app.batch.open_store import open_batch_store
+        from app.batch.window import ConcurrencyWindow
+        from app.observability.metrics import LlmLanesMetrics
+        from app.observability.tracing import setup_tracing
+
+        cfg = self.cfg = load_app_config(app_args)
+        # Built here, not at import: Serve's metrics pick up the replica's tags when they are created.
+        self.metrics = LlmLanesMetrics()
+        self.tracing = setup_tracing(cfg.observability.tracing.model_dump(), component="Router")
+        handles = {Lane.HOT: hot_lane} if cold_lane is None else {Lane.HOT: hot_lane, Lane.COLD: cold_lane}
+        self.lane_handles = handles
+        # Running replicas per lane, read from Serve's status every few seconds; None until the first read.
+        self.lane_replicas: dict[str, int | None] = {lane.value: None for lane in handles}
+        self.control = TrafficControl(cfg)
+        self.prefix_cache = prefix_cache
+        # The lanes' request routers run in this process (they route this Router's handle calls): their decision
+        # times become the llm_lanes_replica_routing_seconds histogram.
+        add_decision_observer(self._observe_replica_routing)
+        tokenizer = PromptTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer_source))
+        self.pipeline = RequestPipeline(cfg, tokenizer, self.control, ServeLaneClients(handles), self.metrics,
+                                        self.tracing)
+        batch = cfg.batch
+        self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
+        # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
+        self.dispatcher = BatchDispatcher(
+            self.batch_store, lambda line: execute_batch_line(self.pipeline, line),
+            window=ConcurrencyWindow(min_size=batch.window_min, max_size=batch.window_max,
+                                     target_latency_per_token_s=batch.target_latency_per_token_s,
+                                     interval_s=batch.window_interval_s, slow_start=batch.window_slow_start),
+            lease_s=batch.lease_s, poll_interval_s=batch.poll_interval_s, max_attempts=batch.max_attempts,
+        )
+        self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
+        self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
+
+    def _observe_replica_routing(self, deployment: str, decision, elapsed_s: float) -> None:
+        lane = LANE_OF_DEPLOYMENT.get(deployment, deployment)
+        self.metrics.observe_replica_routing(elapsed_s, lane=lane, reason=decision.reason.value)
+
+    async def _publish_backlog_metrics_forever(self) -> None:
+        """Batch backlog (read from the shared store) and this replica's admission queue depths, as gauges; and the
+        replica counts that this Router's shares (batch window, hot slots, spill room) follow."""
+        while True:
+            try:
+                await publish_router_gauges(self.batch_store, self.control, self.metrics)
+            except Exception as error:  # metrics must never take the Router down
+                logger.warning("could not publish the batch backlog metric: %s", error)
+            await self._refresh_replica_counts()
+            await asyncio.sleep(BACKLOG_METRICS_INTERVAL_S)
+
+    async def _refresh_replica_counts(self) -> None:
+        """Running replicas per lane (GET /health, the shares) from Serve's status. On failure the last counts stay
+        (the configured ones at start), so neither health nor the shares flap on a failed read."""
+        try:
+            app_name = serve.get_replica_context().app_name
+            status = await asyncio.to_thread(serve.status)
+        except Exception as error:
+            logger.warning("could not read replica counts from serve.status(): %s", error)
+            return
+        for lane in self.lane_handles:
+            count = running_replicas(status, app_name, LANE_DEPLOYMENTS[lane.value])
+            if count is not None:
+                self.lane_replicas[lane.value] = count
+        routers = running_replicas(status, app_name, ROUTER_DEPLOYMENT) or self.dispatcher.router_replicas
+        hot = self.lane_replicas.get(Lane.HOT.value)
+        cold = self.lane_replicas.get(Lane.COLD.value)
+        if Lane.COLD in self.lane_handles:
+            self.dispatcher.set_replica_counts(cold if cold is not None else self.dispatcher.cold_replicas, routers)
+        if hot is not None:
+            self.control.set_replica_counts(hot=hot, cold=cold or 0, routers=routers)
+
+    async def admin_stats(self) -> dict[str, Any]:
+        return await admin_document(self.lane_handles, self.prefix_cache, self.control, self.dispatcher)
+
+    async def __del__(self):
+        # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.
+        self.dispatcher.stop()
+        self._backlog_metrics_task.cancel()
+        self.tracing.shutdown()
+        try:
+            await asyncio.wait_for(self._dispatcher_task, timeout=10)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            pass
+        self.pipeline.shutdown()
+
+
+def with_routes(cls: type, fastapi_app, routes: dict) -> type:
+    """A subclass of `cls` whose methods named in `routes` are FastAPI routes of `fastapi_app` (the plain class
+    stays plain: Ray Serve LLM attaches its ingress routes the same way)."""
+    decorated = {name: route(fastapi_app)(getattr(cls, name)) for name, route in routes.items()}
+    routed = type(cls.__name__, (cls,), decorated)
+    routed.__qualname__ = cls.__qualname__
+    return routed
+
+
+http_app = make_http_app({BatchStoreError: openai_error_from_store})
+Router = serve.deployment(name=ROUTER_DEPLOYMENT)(
+    serve.ingress(http_app)(with_routes(RouterReplica, http_app, {**HTTP_ROUTES, **BATCH_ROUTES})))

@@ -1,0 +1,224 @@
+"""The gRPC surface: llm_lanes.v1.LlmLanes and grpc.health.v1.Health, through Serve's gRPC proxy.
+
+Serve calls the method named like the RPC, with the request proto and (by this parameter name) `grpc_context`. Each
+proto request becomes the OpenAI body an HTTP client would send and takes the request pipeline from there (same
+validation, classes, admission, limits); an error sets the status on grpc_context. Unary RPCs then return an empty
+reply (Serve sends the status, details and trailing metadata); streaming RPCs raise after setting it (Serve keeps the
+code and details, trailing metadata is lost on that path).
+
+`GrpcApi` is a plain class mixed into the Router deployment; it expects `pipeline`, `control`, `admin_stats()` and
+the BatchApi's `submit_batch` / `batch_with_output`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from app.batch.store import BatchStoreError
+from app.observability.tracing import carrier_from_grpc_metadata
+from app.proto import convert
+from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+from app.router import openai_api as api
+from app.router.batch_api import openai_error_from_store
+from app.router.endpoints import CHAT, COMPLETION, Endpoint
+from app.router.pipeline import LaneCall, RequestPipeline
+
+# grpc.health.v1 Watch: how often the serving status is re-checked for a change.
+HEALTH_WATCH_INTERVAL_S = 1.0
+# grpc.health.v1 service names the Router answers for ("" is the server as a whole).
+HEALTH_SERVICES = ("", "llm_lanes.v1.LlmLanes")
+
+
+class ProtoShapes:
+    """How one endpoint's requests and answers cross between proto and OpenAI JSON."""
+
+    def __init__(self, to_openai, response, chunk, empty_response):
+        self.to_openai = to_openai
+        self.response = response
+        self.chunk = chunk
+        self.empty_response = empty_response
+
+
+PROTO_SHAPES = {
+    CHAT.name: ProtoShapes(convert.chat_request_to_openai, convert.chat_response_from_openai,
+                           convert.chat_chunk_from_openai, pb.ChatCompletionResponse),
+    COMPLETION.name: ProtoShapes(convert.completion_request_to_openai, convert.completion_response_from_openai,
+                                 convert.completion_chunk_from_openai, pb.CompletionResponse),
+}
+
+
+def set_grpc_error(grpc_context, error: api.OpenAIError | BatchStoreError) -> convert.GrpcError:
+    """Put an OpenAI error (or a batch store error, mapped as HTTP maps it) on the gRPC context."""
+    if isinstance(error, BatchStoreError):
+        error = openai_error_from_store(error)
+    retry_after = error.headers.get("Retry-After")
+    grpc_error = convert.grpc_error_from_openai(error.status, error.body(),
+                                                float(retry_after) if retry_after else None)
+    if grpc_context is not None:
+        convert.apply_grpc_error(grpc_context, grpc_error)
+    return grpc_error
+
+
+class GrpcApi:
+    pipeline: RequestPipeline
+
+    async def Generate(self, request: pb.CompletionRequest, grpc_context=None) -> AsyncIterator[pb.CompletionChunk]:
+        # aclosing: a client that leaves closes the whole chain at once (lane call cancelled, outcome counted).
+        async with contextlib.aclosing(self._stream(COMPLETION, request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def Complete(self, request: pb.CompletionRequest, grpc_context=None) -> pb.CompletionResponse:
+        return await self._unary(COMPLETION, request, grpc_context)
+
+    async def ChatComplete(self, request: pb.ChatCompletionRequest, grpc_context=None) -> pb.ChatCompletionResponse:
+        return await self._unary(CHAT, request, grpc_context)
+
+    async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,
+                                 grpc_context=None) -> AsyncIterator[pb.ChatCompletionChunk]:
+        async with contextlib.aclosing(self._stream(CHAT, request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def GetStats(self, request: pb.GetStatsRequest, grpc_context=None) -> pb.GetStatsResponse:
+        # Through JSON first: the Struct takes only str keys and JSON values.
+        return convert.stats_response_from_dict(json.loads(json.dumps(await self.admin_stats(), default=str)))
+
+    async def SubmitBatch(self, request: pb.SubmitBatchRequest, grpc_context=None) -> pb.Batch:
+        """POST /v1/files + POST /v1/batches in one call."""
+        try:
+            try:
+                submission = convert.submit_batch_from_proto(request)
+            except convert.InvalidProtoRequest as error:
+                raise api.OpenAIError(400, str(error), param=error.param) from None
+            batch = await self.submit_batch("grpc-batch.jsonl", submission.input_content, submission.endpoint,
+                                            submission.completion_window, submission.metadata or None)
+            return convert.batch_from_openai(batch)
+        except (api.OpenAIError, BatchStoreError) as error:
+            set_grpc_error(grpc_context, error)
+            return pb.Batch()
+
+    async def GetBatch(self, request: pb.GetBatchRequest, grpc_context=None) -> pb.GetBatchResponse:
+        try:
+            batch, output, error_lines = await self.batch_with_output(request.batch_id, request.include_output)
+            return convert.get_batch_response(batch, output, error_lines)
+        except (api.OpenAIError, BatchStoreError) as error:
+            set_grpc_error(grpc_context, error)
+            return pb.GetBatchResponse()
+
+    # ---- grpc.health.v1 -------------------------------------------------------------------------------------------
+
+    def _health_status(self, service: str) -> int:
+        from grpc_health.v1 import health_pb2
+
+        if service not in HEALTH_SERVICES:
+            return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        # Serving while no lane's circuit breaker is open (every lane can take requests).
+        can_route = all(state != "open" for state in self.pipeline.control.breaker_states().values())
+        return health_pb2.HealthCheckResponse.SERVING if can_route else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(self, request, grpc_context=None):
+        """grpc.health.v1.Health/Check (grpc_health_probe, Kubernetes gRPC probes)."""
+        from grpc_health.v1 import health_pb2
+
+        status = self._health_status(request.service)
+        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(self, request, grpc_context=None):
+        """grpc.health.v1.Health/List: every service this server reports on."""
+        from grpc_health.v1 import health_pb2
+
+        return health_pb2.HealthListResponse(statuses={
+            service: health_pb2.HealthCheckResponse(status=self._health_status(service)) for service in HEALTH_SERVICES
+        })
+
+    async def Watch(self, request, grpc_context=None):
+        """grpc.health.v1.Health/Watch: the status now, then each change, until the client goes away."""
+        from grpc_health.v1 import health_pb2
+
+        last = None
+        while True:
+            status = self._health_status(request.service)
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await asyncio.sleep(HEALTH_WATCH_INTERVAL_S)
+
+    # ---- generation -----------------------------------------------------------------------------------------------
+
+    def _body(self, endpoint: Endpoint, request, stream: bool) -> tuple[Any, str | None]:
+        """A proto request -> (the validated OpenAI body model, the class its enum asks for). Raises OpenAIError.
+        An empty `model` means the served model (proto3 cannot tell unset from empty)."""
+        try:
+            converted = PROTO_SHAPES[endpoint.name].to_openai(request, stream=stream)
+        except convert.InvalidProtoRequest as error:
+            raise api.OpenAIError(400, str(error), param=error.param) from None
+        try:
+            body = endpoint.validate({"model": self.pipeline.model, **converted.body})
+        except ValidationError as error:
+            raise api.validation_error(error.errors()) from None
+        return body, converted.request_class
+
+    async def _start(self, endpoint: Endpoint, request, grpc_context, stream: bool) -> LaneCall:
+        pipeline = self.pipeline
+        carrier = None
+        if pipeline.tracing.enabled and grpc_context is not None:
+            carrier = carrier_from_grpc_metadata(grpc_context.invocation_metadata())
+        body, request_class = self._body(endpoint, request, stream)
+        return await pipeline.start(endpoint, body, class_header=request_class,
+                                    record=pipeline.new_record(endpoint, carrier))
+
+    @staticmethod
+    def _serving(call: LaneCall) -> pb.ServingInfo:
+        return convert.serving_info(call.lane.value, call.request_class.value, call.context.reasons)
+
+    async def _unary(self, endpoint: Endpoint, request, grpc_context):
+        shapes = PROTO_SHAPES[endpoint.name]
+        try:
+            call = await self._start(endpoint, request, grpc_context, stream=False)
+            response = await self.pipeline.collect(call)
+        except api.OpenAIError as error:
+            set_grpc_error(grpc_context, error)
+            return shapes.empty_response()
+        return shapes.response(response, self._serving(call))
+
+    async def _stream(self, endpoint: Endpoint, request, grpc_context):
+        """Generate / ChatCompleteStream: the SSE path's chunks as proto messages. The first message carries
+        `serving` (and the assistant role for chat), the one with finish_reason carries `usage`."""
+        shapes, model = PROTO_SHAPES[endpoint.name], self.pipeline.model
+        try:
+            call = await self._start(endpoint, request, grpc_context, stream=True)
+        except api.OpenAIError as error:
+            raise RuntimeError(set_grpc_error(grpc_context, error).details) from None
+        request_id, serving, sent_tokens, usage_sent = call.context.request_id, self._serving(call), 0, False
+        try:
+            async with contextlib.aclosing(call.chunks()) as chunks:
+                async for chunk in chunks:
+                    usage = None
+                    if chunk.finish_reason is not None:
+                        usage = api.usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
+                        usage_sent = True
+                    num_tokens, sent_tokens = chunk.completion_tokens - sent_tokens, chunk.completion_tokens
+                    message = endpoint.chunk(request_id, model, chunk.text, chunk.finish_reason, usage,
+                                             first=serving is not None)
+                    yield shapes.chunk(message, serving, num_tokens)
+                    serving = None
+        except api.OpenAIError as error:
+            raise RuntimeError(set_grpc_error(grpc_context, error).details) from None
+        if not usage_sent and call.last is not None:
+            # The lane ended without a finish reason: usage still travels, in a chunk of its own.
+            last = call.last
+            usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
+            yield shapes.chunk(endpoint.usage_chunk(request_id, model, usage), serving, 0)

@@ -1,0 +1,105 @@
+"""A Router's share of a lane's engine slots, and the predicted wait for one. Pure asyncio, no Ray.
+
+The hot lane takes interactive requests from this Router up to `limit` at once (its engines' sequences, less the
+realtime queue, split across Router replicas); more would only queue inside the engines, out of reach of the
+Router's queue bound and its 429s. A request that finds no free slot waits here, first come first served, and
+takes the next one freed.
+
+The predicted wait is built from the present state only: the slots in use and how long a request holds one, taken
+as the larger of the recent hold times and the mean age of the requests holding slots now (they hold theirs at
+least that long). Nothing decays through idle time, so a burst after a quiet spell is predicted from what the lane
+is doing, not from how little it did while idle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from app.router.slot_waiters import SlotWaiters
+
+# Hold times kept for the prediction: enough to smooth one slow request, few enough to follow a change of load.
+HOLD_TIME_SAMPLES = 32
+
+
+class LaneSlots:
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic,
+                 hold_samples: int = HOLD_TIME_SAMPLES):
+        self.limit = max(limit, 0)
+        self.clock = clock
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self._holders: dict[int, float] = {}
+        self._next_token = 0
+        self._holds: deque[float] = deque(maxlen=hold_samples)
+        self._waiters = SlotWaiters()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def free(self) -> int:
+        """Slots a newcomer could take now: none while others wait (they go first)."""
+        return 0 if self.waiting else max(self.limit - self.in_flight, 0)
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = max(limit, 0)
+        self._waiters.notify_one()
+
+    def hold_time_s(self) -> float | None:
+        """Expected time a request holds a slot: max(mean recent hold, mean age of the current holders)."""
+        now = self.clock()
+        ages = [now - since for since in self._holders.values()]
+        candidates = []
+        if self._holds:
+            candidates.append(sum(self._holds) / len(self._holds))
+        if ages:
+            candidates.append(sum(ages) / len(ages))
+        return max(candidates) if candidates else None
+
+    def predicted_wait_s(self, ahead: int | None = None) -> float:
+        """Wait for a slot of a request joining the line behind `ahead` others (default: those waiting now).
+
+        Slots free at about limit / hold-time per second once all are taken; with no hold time known yet (nothing
+        ever held one) the wait is taken as 0: the first burst waits for the slots it fills.
+        """
+        ahead = self.waiting if ahead is None else ahead
+        if ahead == 0 and self.in_flight < self.limit:
+            return 0.0
+        if self.limit == 0:
+            return float("inf")
+        hold = self.hold_time_s()
+        if hold is None:
+            return 0.0
+        return (ahead + 1) * hold / self.limit
+
+    def take(self) -> int:
+        """Take a slot now (the caller checked free() or was granted one); returns the token for release()."""
+        token = self._next_token
+        self._next_token += 1
+        self._holders[token] = self.clock()
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return token
+
+    async def acquire(self) -> int:
+        """Wait for a slot (FIFO behind earlier waiters), take it, return its token. Cancellation leaves the line."""
+        await self._waiters.wait_until(lambda: self.in_flight < self.limit)
+        return self.take()
+
+    def release(self, token: int, record_hold: bool = True) -> None:
+        """Give a slot back (exactly once per take). `record_hold`: its hold time feeds the prediction (False for a
+        request that ended early by failure or cancellation, whose hold says nothing about the lane's pace)."""
+        since = self._holders.pop(token, None)
+        if since is None:
+            return
+        self.in_flight -= 1
+        if record_hold:
+            self._holds.append(self.clock() - since)
+        self._waiters.notify_one()
+
+    def stats(self) -> dict[str, float | int | None]:
+        hold = self.hold_time_s()
+        return {"limit": self.limit, "in_flight": self.in_flight, "waiting": self.waiting,
+                "peak_in_flight": self.peak_in_flight, "hold_time_s": round(hold, 3) if hold is not None else None}

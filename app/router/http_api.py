@@ -1,0 +1,160 @@
+"""The OpenAI HTTP surface: chat and completions (JSON or SSE), models, health and the admin endpoints.
+
+Thin: every generation goes through the RequestPipeline. `HttpApi` is a plain class whose methods become FastAPI
+routes on the Router deployment (HTTP_ROUTES, attached by app/router/deployment.py); it expects the deployment to
+set `pipeline`, `lane_replicas`, `prefix_cache` and `admin_stats()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.classes import REQUEST_CLASS_HEADER
+from app.prefix_cache.index import block_hashes
+from app.router import openai_api as api
+from app.router.endpoints import CHAT, COMPLETION, Endpoint
+from app.router.pipeline import LaneCall, RequestPipeline
+from app.router.replica_counts import health_response
+
+logger = logging.getLogger(__name__)
+
+# A client may ask for a shorter deadline than its class's (never a longer one), in seconds.
+REQUEST_TIMEOUT_HEADER = "x-request-timeout"
+
+
+def client_timeout(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise api.OpenAIError(400, f"X-Request-Timeout header {value!r} is not a positive number of seconds",
+                              param="X-Request-Timeout", code="invalid_timeout")
+    return seconds
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def sse_events(pipeline: RequestPipeline, call: LaneCall, include_usage: bool) -> AsyncIterator[str]:
+    """The answer as server-sent events; an error after the headers went out travels as an event, then the end."""
+    endpoint, request_id, model = call.context.endpoint, call.context.request_id, pipeline.model
+    try:
+        if endpoint.chat:
+            yield sse(endpoint.chunk(request_id, model, "", first=True))
+        async for chunk in call.chunks():
+            yield sse(endpoint.chunk(request_id, model, chunk.text, chunk.finish_reason))
+        if include_usage:
+            last = call.last
+            usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
+            yield sse(endpoint.usage_chunk(request_id, model, usage))
+        yield sse("[DONE]")
+    except api.OpenAIError as error:
+        yield sse(error.body())
+
+
+def openai_error_response(error: api.OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -> FastAPI:
+    """The FastAPI app with OpenAI-shaped errors for everything: never a stack trace to the client.
+    `extra_error_types` maps other exception types (e.g. the batch store's) to an OpenAIError factory."""
+    app = FastAPI(title="llm-lanes", docs_url="/docs", openapi_url="/openapi.json")
+
+    @app.exception_handler(api.OpenAIError)
+    async def _openai_error(_: Request, error: api.OpenAIError) -> JSONResponse:
+        return openai_error_response(error)
+
+    for error_type, to_openai in (extra_error_types or {}).items():
+        async def _mapped(_: Request, error: Exception, to_openai=to_openai) -> JSONResponse:
+            return openai_error_response(to_openai(error))
+
+        app.add_exception_handler(error_type, _mapped)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return openai_error_response(api.validation_error(list(error.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return openai_error_response(api.OpenAIError(error.status_code, str(error.detail),
+                                                     code="not_found" if error.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error")  # the log has the stack trace, the client does not
+        return openai_error_response(api.OpenAIError(500, "internal server error", type="server_error"))
+
+    return app
+
+
+class HttpApi:
+    pipeline: RequestPipeline
+
+    async def health(self) -> JSONResponse:
+        """For a load balancer: 503 while the hot lane has no running replica (replica_counts.health_response)."""
+        status_code, body = health_response(self.lane_replicas)
+        return JSONResponse(body, status_code=status_code)
+
+    async def models(self) -> dict[str, Any]:
+        model = self.pipeline.cfg.model
+        return {"object": "list",
+                "data": [{"id": model.served_name, "object": "model", "created": 0, "owned_by": "llm-lanes",
+                          "max_model_len": model.max_model_len}]}
+
+    async def chat_completions(self, body: api.ChatCompletionRequest, request: Request):
+        return await self._generate(CHAT, body, request)
+
+    async def completions(self, body: api.CompletionRequest, request: Request):
+        return await self._generate(COMPLETION, body, request)
+
+    async def _generate(self, endpoint: Endpoint, body, request: Request):
+        pipeline = self.pipeline
+        record = pipeline.new_record(endpoint, request.headers if pipeline.tracing.enabled else None)
+        call = await pipeline.start(endpoint, body, class_header=request.headers.get(REQUEST_CLASS_HEADER),
+                                    client_timeout_s=client_timeout(request.headers.get(REQUEST_TIMEOUT_HEADER)),
+                                    record=record)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse_events(pipeline, call, include_usage), media_type="text/event-stream",
+                                     headers=call.headers())
+        return JSONResponse(await pipeline.collect(call), headers=call.headers())
+
+    async def admin_stats_route(self) -> dict[str, Any]:
+        return await self.admin_stats()
+
+    async def admin_prefix_lookup(self, request: Request) -> dict[str, Any]:
+        """Which replicas hold how much of this prompt's prefix: {"prompt": str | [token ids]} -> matches."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise api.OpenAIError(400, "body is not JSON", code="invalid_json") from None
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), (str, list)):
+            raise api.OpenAIError(400, "send {\"prompt\": <text or token ids>}", param="prompt")
+        token_ids = self.pipeline.tokenizer.prompt_token_ids(body["prompt"])
+        block_size = self.pipeline.cfg.hot_lane.engine.block_size
+        matches = await self.prefix_cache.lookup.remote(block_hashes(token_ids, block_size), block_size)
+        return {"prompt_tokens": len(token_ids), "block_size": block_size,
+                "matches": [{"replica_id": replica, "matched_tokens": tokens} for replica, tokens in matches]}
+
+
+HTTP_ROUTES = {
+    "health": lambda app: app.get("/health"),
+    "models": lambda app: app.get("/v1/models"),
+    "chat_completions": lambda app: app.post(CHAT.path),
+    "completions": lambda app: app.post(COMPLETION.path),
+    "admin_stats_route": lambda app: app.get("/v1/admin/stats"),
+    "admin_prefix_lookup": lambda app: app.post("/v1/admin/prefix_lookup"),
+}

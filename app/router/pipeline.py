@@ -1,0 +1,453 @@
+"""The Router's one request path: prepare -> admit -> route -> start -> stream or collect. A plain class, no Ray.
+
+`RequestPipeline` is built from the tokenizer, the traffic control (admission, breakers, slots, the routing
+decision), the lane clients, metrics and tracing; the Serve deployment only wires it, and every surface (HTTP, gRPC,
+batch lines) calls `start()` and then reads the answer from the `LaneCall` it returns. Each request carries one
+`RequestContext`: its class and lane as enums, the route decision with its reasons, and its record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from app.classes import Lane, RequestClass, UnknownRequestClass, classify, policy_for
+from app.config import AppConfig
+from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated, SamplingOptions
+from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tracing
+from app.router import openai_api as api
+from app.router.control import TrafficControl
+from app.router.endpoints import Endpoint
+from app.router.prompts import PromptTokenizer
+from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RequestRecord, reason_label
+from app.router.spill import RouteDecision, RouteRefusal
+
+logger = logging.getLogger(__name__)
+
+# Prompts above this many characters are validated and tokenized on a worker thread, not on the event loop: on the
+# H200 a burst of 512 batch prompts of 2,048 tokens held every later request for ~3 s while the Router tokenized them
+# inline. Shorter prompts stay inline, where the thread hop would cost more than it saves.
+TOKENIZE_INLINE_MAX_CHARS = 2048
+
+
+class LaneStream(Protocol):
+    """One lane call's chunks (a Serve DeploymentResponseGenerator, or a fake in tests)."""
+
+    def __anext__(self): ...
+
+    def cancel(self) -> None: ...
+
+
+class LaneClients(Protocol):
+    def open(self, lane: Lane, request: LaneRequest) -> LaneStream: ...
+
+
+@dataclass
+class RequestContext:
+    """One request at the Router: what it asked for, its class, and where the routing decision sent it."""
+
+    endpoint: Endpoint
+    request_class: RequestClass
+    lane_request: LaneRequest
+    record: RequestRecord
+    # The answer's length the client is owed (its max_tokens, or the default): decisions clip it, handoffs split it.
+    max_tokens: int
+    # Set by route(): the decision, the lane it names, and every reason that moved or changed the request.
+    route: RouteDecision | None = None
+    lane: Lane | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.lane_request.request_id
+
+    def headers(self, replica_id: str | None) -> dict[str, str]:
+        headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
+        if replica_id:
+            # Which engine replica serves it: lets operators (and the prefix-affinity tests) see routing.
+            headers["x-llm-lanes-replica"] = replica_id
+        if self.reasons:
+            headers["x-llm-lanes-degraded"] = ",".join(self.reasons)
+        return headers
+
+
+class RequestPipeline:
+    def __init__(self, cfg: AppConfig, tokenizer: PromptTokenizer, control: TrafficControl, lanes: LaneClients,
+                 metrics, tracing: Tracing, tokenize_executor: concurrent.futures.Executor | None = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.control = control
+        self.lanes = lanes
+        self.metrics = metrics
+        self.tracing = tracing
+        # One thread by default: long prompts are tokenized one at a time, never concurrently on the one tokenizer.
+        self.tokenize_executor = tokenize_executor or concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tokenize")
+
+    @property
+    def model(self) -> str:
+        return self.cfg.model.served_name
+
+    def new_record(self, endpoint: Endpoint | None, carrier: Mapping[str, str] | None = None) -> RequestRecord:
+        return RequestRecord(self.metrics, self.tracing, carrier, endpoint.name if endpoint else "internal")
+
+    # ---- prepare -------------------------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.model:
+            raise api.OpenAIError(404, f"model {model!r} does not exist: this server serves {self.model!r}",
+                                  param="model", code="model_not_found")
+
+    def prepare(self, endpoint: Endpoint, body, class_header: str | None, record: RequestRecord,
+                client_timeout_s: float | None = None) -> RequestContext:
+        """Validate, tokenize once, classify: everything before admission. Raises OpenAIError."""
+        self.check_model(body.model)
+        token_ids = self.tokenizer.token_ids(body)
+        try:
+            request_class = classify(body.service_tier, class_header)
+        except UnknownRequestClass as error:
+            raise api.OpenAIError(400, str(error), param=error.param, code="invalid_request_class") from None
+        limit = self.cfg.model.max_model_len
+        if len(token_ids) >= limit:
+            raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the prompt has "
+                                       f"{len(token_ids)}: shorten the prompt", param=endpoint.prompt_param,
+                                  code="context_length_exceeded")
+        requested = body.requested_max_tokens
+        max_tokens = requested if requested is not None else min(self.cfg.router.default_max_tokens,
+                                                                 limit - len(token_ids))
+        lane_request = LaneRequest(
+            request_id=endpoint.new_id(),
+            prompt_token_ids=token_ids,
+            sampling=SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                     stop=body.stop_list, seed=body.seed, ignore_eos=body.ignore_eos),
+            request_class=request_class.value,
+            priority=policy_for(request_class).priority,
+            stream=body.stream,
+            client_timeout_s=client_timeout_s,
+            trace_carrier=record.carrier(),
+        )
+        record.request_class = request_class
+        return RequestContext(endpoint, request_class, lane_request, record, max_tokens)
+
+    # ---- the whole front half --------------------------------------------------------------------------------------
+
+    async def start(self, endpoint: Endpoint, body, *, class_header: str | None = None,
+                    client_timeout_s: float | None = None, record: RequestRecord | None = None) -> "LaneCall":
+        """prepare -> admit -> route -> start on the lane (its first chunk in hand). Raises OpenAIError with the
+        right status; the request's outcome is counted here when it ends before its first chunk."""
+        record = record if record is not None else self.new_record(endpoint)
+        try:
+            with record.span_for(SPAN_CLASSIFY):
+                if body.prompt_size() > TOKENIZE_INLINE_MAX_CHARS:
+                    context = await asyncio.get_running_loop().run_in_executor(
+                        self.tokenize_executor, self.prepare, endpoint, body, class_header, record, client_timeout_s)
+                else:
+                    context = self.prepare(endpoint, body, class_header, record, client_timeout_s)
+            return await self._admit_and_start(context)
+        except api.OpenAIError as error:
+            self._count_refusal(record, body, class_header, error.status)
+            raise
+        except asyncio.CancelledError:
+            self._count_refusal(record, body, class_header, CLIENT_CLOSED_STATUS)
+            raise
+        except Exception:
+            self._count_refusal(record, body, class_header, 500)
+            raise
+
+    async def _admit_and_start(self, context: RequestContext) -> "LaneCall":
+        request_class, record = context.request_class, context.record
+        with record.span_for(SPAN_ADMIT) as span:
+            admitted = self.control.admit(request_class)
+            if record.span is not None:
+                span.set_attributes({"llm_lanes.decision": admitted.decision.value,
+                                     "llm_lanes.reason": admitted.reason})
+        self.metrics.count_admission(decision="admit" if admitted.admitted else "reject",
+                                     reason=reason_label(admitted.reason), request_class=request_class)
+        if not admitted.admitted:
+            raise api.OpenAIError(429, f"too many {request_class.value} requests are waiting ({admitted.reason}); "
+                                       f"retry in {admitted.retry_after_s} s", type="rate_limit_error",
+                                  code="queue_full", headers={"Retry-After": str(admitted.retry_after_s)})
+        record.admitted(request_class)
+        self._publish_queue_depth(request_class)
+        started = False
+        try:
+            with record.span_for(SPAN_ROUTE):
+                decision = self.route(context)
+            timeout_s = self.control.timeout_s(request_class)
+            if context.lane_request.client_timeout_s is not None:
+                timeout_s = min(timeout_s, context.lane_request.client_timeout_s)
+            call = LaneCall(self, context, timeout_s)
+            record.decided()
+            await call.start(decision)
+            started = True
+            self.control.started(request_class)
+            return call
+        finally:
+            if not started:
+                self.control.abandoned_before_start(request_class)
+            self._publish_queue_depth(request_class)
+
+    # ---- route -----------------------------------------------------------------------------------------------------
+
+    def route(self, context: RequestContext, *, hot_refused_for_kv: bool = False, continuation_tokens: int = 0,
+              max_tokens: int | None = None) -> RouteDecision:
+        """The one routing decision for this request (its first start, a hot replica's refusal, or the decode
+        continuation), applied to the context. Raises OpenAIError for a refusal."""
+        request = context.lane_request
+        decision = self.control.route(
+            context.request_class, len(request.prompt_token_ids) + continuation_tokens,
+            max_tokens if max_tokens is not None else context.max_tokens,
+            has_stop_strings=bool(request.sampling.stop), hot_refused_for_kv=hot_refused_for_kv,
+            continuation=continuation_tokens > 0)
+        if isinstance(decision, RouteRefusal):
+            headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
+            error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")
+            raise api.OpenAIError(decision.status, decision.message, code=decision.code, type=error_type,
+                                  param="max_tokens" if decision.status == 400 else None, headers=headers)
+        context.route = decision
+        context.lane = decision.lane
+        context.record.lane = decision.lane.value
+        for reason in decision.reasons:
+            if reason not in context.reasons:
+                context.reasons.append(reason)
+                self.metrics.count_degrade(reason=reason_label(reason), request_class=context.request_class)
+        return decision
+
+    # ---- answers ---------------------------------------------------------------------------------------------------
+
+    async def collect(self, call: "LaneCall") -> dict[str, Any]:
+        """The whole answer as one OpenAI response object."""
+        pieces = [chunk.text async for chunk in call.chunks()]
+        last = call.last
+        usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
+        return call.context.endpoint.response(call.context.request_id, self.model, "".join(pieces),
+                                              last.finish_reason, usage)
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------------------
+
+    def _publish_queue_depth(self, request_class: RequestClass) -> None:
+        """The one class a request entered or left (per request: one gauge write, not one per class)."""
+        self.metrics.set_queue_depth(self.control.back_pressure.queued(request_class), request_class=request_class)
+
+    @staticmethod
+    def _count_refusal(record: RequestRecord, body, class_header: str | None, status: int) -> None:
+        if record.request_class is None:
+            # Refused before classification (unknown model, empty prompt...): label it with the class it asked for.
+            try:
+                record.request_class = classify(getattr(body, "service_tier", None), class_header)
+            except UnknownRequestClass:
+                record.request_class = UNKNOWN_CLASS
+        record.failed(status)
+
+    def shutdown(self) -> None:
+        self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
+
+
+class LaneCall:
+    """One request on its lane(s): start (first chunk), then chunks under the class deadline, then bookkeeping once.
+
+    It holds the slot its route decision takes (a hot-lane slot, or cold-lane spill room) until it ends on that lane.
+    Cancellation anywhere (client gone, deadline) cancels the lane call, which aborts the engine request.
+    """
+
+    def __init__(self, pipeline: RequestPipeline, context: RequestContext, timeout_s: float):
+        self.pipeline = pipeline
+        self.control = pipeline.control
+        self.context = context
+        self.timeout_s = timeout_s
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + timeout_s
+        self.stream: LaneStream | None = None
+        self.last: LaneChunk | None = None
+        self._first: LaneChunk | None = None
+        self._lane_done = False  # the current lane call's outcome is recorded
+        self._slot: tuple[Any, int] | None = None  # (LaneSlots, token) held now
+        # Decode handoff: the hot part's tokens (the continuation's prompt suffix) and where the answer stands.
+        self._handoff_after: int | None = None
+        self._handed_off_ids: list[int] = []
+        self._handoff_due = False
+        self._continued = False
+
+    @property
+    def request_class(self) -> RequestClass:
+        return self.context.request_class
+
+    @property
+    def lane(self) -> Lane:
+        return self.context.lane
+
+    def headers(self) -> dict[str, str]:
+        first = self._first or self.last
+        return self.context.headers(first.replica_id if first is not None else None)
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    # ---- start -----------------------------------------------------------------------------------------------------
+
+    async def start(self, decision: RouteDecision) -> None:
+        try:
+            self._first = await self._start_on(decision)
+        except LaneSaturated:
+            # The hot replica keeps its KV headroom for realtime: the refusal is an input of a new decision.
+            self._end_lane_call(ok=True, record_hold=False)
+            self.control.hot_refused_for_kv()
+            decision = self.pipeline.route(self.context, hot_refused_for_kv=True)
+            if decision.lane is Lane.HOT:
+                raise api.OpenAIError(503, "both lanes are saturated or failing; retry shortly", type="server_error",
+                                      code="lanes_saturated", headers={"Retry-After": "1"}) from None
+            self._first = await self._start_on(decision)
+        except BaseException:
+            self._release_slot(record_hold=False)
+            raise
+        self.last = self._first
+        self.context.record.first_chunk(streamed=self.context.lane_request.stream)
+
+    async def _start_on(self, decision: RouteDecision) -> LaneChunk:
+        """Take the decision's slot (waiting for a hot slot within the deadline), then open the lane call."""
+        self._lane_done = False
+        if decision.takes_hot_slot:
+            slots = self.control.hot_slots
+            try:
+                token = await asyncio.wait_for(slots.acquire(), timeout=self._remaining())
+            except asyncio.TimeoutError:
+                raise self._deadline_error() from None
+            self._slot = (slots, token)
+        elif decision.takes_cold_spill:
+            self._slot = (self.control.cold_spill, self.control.cold_spill.take())
+        if not self.control.allow(decision.lane):
+            raise api.OpenAIError(503, f"the {decision.lane.value} lane is failing; retry shortly", type="server_error",
+                                  code=f"{decision.lane.value}_breaker_open", headers={"Retry-After": "1"})
+        request = self.context.lane_request
+        self._handoff_after = decision.handoff_after
+        sampling = replace(request.sampling, max_tokens=decision.handoff_after or decision.max_tokens)
+        self.context.lane_request = replace(
+            request, priority=decision.priority, sampling=sampling,
+            may_spill=self.control.may_spill(self.request_class, decision.lane),
+            return_token_ids=decision.handoff_after is not None)
+        self._requested_max_tokens = decision.max_tokens
+        return await self._open_stream()
+
+    async def _open_stream(self) -> LaneChunk:
+        try:
+            # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
+            self.stream = self.pipeline.lanes.open(self.lane, self.context.lane_request)
+            return self._client_view(await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining()))
+        except LaneSaturated:
+            self.stream.cancel()
+            raise
+        except BaseException as error:
+            self._fail(error)
+            raise self._as_openai_error(error) from None
+
+    # ---- stream ----------------------------------------------------------------------------------------------------
+
+    async def chunks(self) -> AsyncIterator[LaneChunk]:
+        record = self.context.record
+        try:
+            if self._first is not None:
+                yield self._first
+            while self.last.finish_reason is None:
+                try:
+                    if self._handoff_due:
+                        self._continue_elsewhere()
+                    chunk = self._client_view(await asyncio.wait_for(anext(self.stream), timeout=self._remaining()))
+                except StopAsyncIteration:
+                    break
+                except BaseException as error:
+                    self._fail(error)
+                    converted = self._as_openai_error(error)
+                    record.failed(converted.status if isinstance(converted, api.OpenAIError)
+                                  else CLIENT_CLOSED_STATUS, self._output_tokens())
+                    raise converted from None
+                self.last = chunk
+                yield chunk
+            self._end_lane_call(ok=True, e2e_s=time.monotonic() - self.started_at)
+            record.succeeded(self._output_tokens())
+        finally:
+            # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
+            self.stream.cancel()
+            # Abandoned mid-stream by the client: not the lane's fault, and no E2E sample for the deadline P99.
+            self._end_lane_call(ok=True, record_hold=False)
+            if not record.finished:
+                record.failed(CLIENT_CLOSED_STATUS, self._output_tokens())
+
+    def _client_view(self, chunk: LaneChunk) -> LaneChunk:
+        """A chunk from the lane, as the client sees it: the continuation's counts go on from the hot part's, and
+        the hot part's last chunk is not final when the cold lane is to go on."""
+        if self._continued:
+            return replace(chunk, completion_tokens=chunk.completion_tokens + len(self._handed_off_ids),
+                           prompt_tokens=len(self.context.lane_request.prompt_token_ids) - len(self._handed_off_ids),
+                           cached_prompt_tokens=self._first.cached_prompt_tokens)
+        if self._handoff_after is None:
+            return chunk
+        self._handed_off_ids.extend(chunk.token_ids)
+        if chunk.finish_reason == "length" and chunk.completion_tokens == self._handoff_after:
+            # The hot lane stopped at the handoff point, not at the client's limit (EOS or max_tokens): go on.
+            self._handoff_due = True
+            return replace(chunk, finish_reason=None, token_ids=())
+        return replace(chunk, token_ids=())
+
+    def _continue_elsewhere(self) -> None:
+        """The rest of the answer, where the routing decision for a continuation sends it."""
+        self._handoff_due = False
+        # The hot part succeeded; the request's end-to-end sample is taken once, when the continuation ends.
+        self._end_lane_call(ok=True)
+        self.stream.cancel()
+        done = len(self._handed_off_ids)
+        remaining = self._requested_max_tokens - done
+        decision = self.pipeline.route(self.context, continuation_tokens=done, max_tokens=remaining)
+        request = self.context.lane_request
+        self.context.lane_request = replace(
+            request, request_id=f"{request.request_id}-decode", priority=decision.priority,
+            prompt_token_ids=[*request.prompt_token_ids, *self._handed_off_ids],
+            sampling=replace(request.sampling, max_tokens=remaining), may_spill=False, return_token_ids=False)
+        self._continued = True
+        self._handoff_after = None
+        self._lane_done = False
+        self.stream = self.pipeline.lanes.open(self.lane, self.context.lane_request)
+
+    # ---- endings ---------------------------------------------------------------------------------------------------
+
+    def _output_tokens(self) -> int:
+        return self.last.completion_tokens if self.last is not None else 0
+
+    def _release_slot(self, record_hold: bool) -> None:
+        if self._slot is not None:
+            slots, token = self._slot
+            self._slot = None
+            slots.release(token, record_hold=record_hold)
+
+    def _end_lane_call(self, ok: bool, e2e_s: float | None = None, record_hold: bool = True) -> None:
+        """The current lane call is over: free its slot and record its outcome, once."""
+        self._release_slot(record_hold=record_hold and ok)
+        if self._lane_done:
+            return
+        self._lane_done = True
+        self.control.finished(self.request_class, self.lane, ok=ok, e2e_s=e2e_s)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+        if isinstance(error, asyncio.CancelledError):
+            return  # the client went away: not the lane's fault
+        logger.warning("request %s on the %s lane failed: %r", self.context.request_id, self.lane.value, error)
+        self._end_lane_call(ok=False)
+
+    def _deadline_error(self) -> api.OpenAIError:
+        return api.OpenAIError(504, f"the request exceeded its {self.timeout_s:.0f} s deadline for the "
+                                    f"{self.request_class.value} class and was aborted", type="timeout_error",
+                               code="deadline_exceeded")
+
+    def _as_openai_error(self, error: BaseException) -> BaseException:
+        if isinstance(error, asyncio.CancelledError):
+            return error
+        if isinstance(error, asyncio.TimeoutError):
+            return self._deadline_error()
+        return api.OpenAIError(503, f"the {self.lane.value} lane could not serve the request; retry shortly",
+                               type="server_error", code="lane_unavailable", headers={"Retry-After": "1"})

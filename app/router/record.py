@@ -1,0 +1,137 @@
+"""One request's metrics and trace at the Router, from arrival to its single outcome. No Ray."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+
+from app.classes import RequestClass
+from app.observability.metrics import LANE_NONE, tpot_seconds
+from app.observability.tracing import SPAN_QUEUE_WAIT, SPAN_REQUEST, Tracing
+
+# nginx's "client closed request": the outcome of a request whose client went away before it finished.
+CLIENT_CLOSED_STATUS = 499
+# request_class label of a request refused before it could be classified (e.g. an unknown X-Request-Class).
+UNKNOWN_CLASS = "unknown"
+# A shared do-nothing context manager: the span helpers' answer when tracing is off (nothing allocated).
+_NO_SPAN = contextlib.nullcontext()
+
+
+def outcome_for_status(status: int) -> str:
+    """The llm_lanes_requests_total outcome of a request that ended with this HTTP status."""
+    if status < 400:
+        return "success"
+    if status == 429:
+        return "rejected"
+    if status in (408, 504):
+        return "timeout"
+    if status == CLIENT_CLOSED_STATUS:
+        return "cancelled"
+    return "error"
+
+
+def reason_label(reason: str) -> str:
+    """A bounded metric label from a decision reason: "queue_full (12 >= 24)" -> "queue_full"."""
+    return reason.split(" (", 1)[0]
+
+
+class RequestRecord:
+    """One request's metrics and trace at the Router, from arrival to its single outcome.
+
+    Metrics: router decision time, TTFT / queue wait at the first chunk (streamed requests only: a non-streamed
+    answer arrives whole, so its first chunk is its last), E2E, TPOT and output tokens at the end, and exactly one
+    requests_total sample whatever path the request ends on (success, error, 429, deadline, client gone).
+    Tracing: the `request` SERVER span (continuing the caller's traceparent) and its children; with tracing off no
+    span exists and span_for() hands back a shared no-op context.
+    """
+
+    def __init__(self, metrics, tracing: Tracing, carrier: Mapping[str, str] | None, kind: str,
+                 clock=time.monotonic):
+        self.metrics = metrics
+        self.tracing = tracing
+        self.clock = clock
+        self.arrived_at = clock()
+        self.request_class: RequestClass | str | None = None  # a str only for UNKNOWN_CLASS
+        self.lane: str = LANE_NONE
+        self.ttft_s: float | None = None
+        self.finished = False
+        self._admitted_at: float | None = None
+        self._queue_span = None
+        self.span = None
+        self.context = None
+        if tracing.enabled:
+            from opentelemetry.trace import SpanKind
+
+            self.span = tracing.start_span(SPAN_REQUEST, context=tracing.extract(carrier), kind=SpanKind.SERVER,
+                                           attributes={"llm_lanes.kind": kind})
+            self.context = Tracing.context_with(self.span)
+
+    def span_for(self, name: str):
+        """A child span of `request` for a synchronous block (classify, admit, route)."""
+        return self.tracing.span(name, context=self.context) if self.span is not None else _NO_SPAN
+
+    def carrier(self) -> dict[str, str]:
+        """The trace context for the lane (LaneRequest.trace_carrier): its lane_generate span joins this trace."""
+        return self.tracing.inject(self.context) if self.span is not None else {}
+
+    def admitted(self, request_class: RequestClass) -> None:
+        self.request_class = request_class
+        self._admitted_at = self.clock()
+        if self.span is not None:
+            self._queue_span = self.tracing.start_span(SPAN_QUEUE_WAIT, context=self.context)
+
+    def decided(self) -> None:
+        """Classified, admitted and routed: everything the Router does before the lane call."""
+        self.metrics.observe_router_decision(self.clock() - self.arrived_at, request_class=self.request_class)
+
+    def first_chunk(self, streamed: bool) -> None:
+        now = self.clock()
+        self._end_queue_wait()
+        if not streamed:
+            return
+        self.ttft_s = now - self.arrived_at
+        self.metrics.observe_ttft(self.ttft_s, lane=self.lane, request_class=self.request_class)
+        if self._admitted_at is not None:
+            self.metrics.observe_queue_wait(now - self._admitted_at, request_class=self.request_class)
+
+    def succeeded(self, output_tokens: int) -> None:
+        if self.finished:
+            return
+        e2e = self.clock() - self.arrived_at
+        self.metrics.observe_e2e(e2e, lane=self.lane, request_class=self.request_class)
+        tpot = tpot_seconds(e2e, self.ttft_s, output_tokens) if self.ttft_s is not None else None
+        if tpot is not None:
+            self.metrics.observe_tpot(tpot, lane=self.lane, request_class=self.request_class)
+        self._finish(200, output_tokens)
+
+    def failed(self, status: int, output_tokens: int = 0) -> None:
+        self._finish(status, output_tokens)
+
+    def _finish(self, status: int, output_tokens: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._end_queue_wait()
+        request_class = self.request_class or UNKNOWN_CLASS
+        self.metrics.count_output_tokens(output_tokens, lane=self.lane, request_class=request_class)
+        self.metrics.count_request(lane=self.lane, request_class=request_class, outcome=outcome_for_status(status),
+                                   status=status)
+        if self.span is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_attributes({"llm_lanes.lane": self.lane,
+                                      "llm_lanes.request_class": str(getattr(request_class, "value", request_class)),
+                                      "llm_lanes.outcome": outcome_for_status(status),
+                                      "http.response.status_code": status,
+                                      "llm_lanes.output_tokens": output_tokens})
+            if status >= 500:
+                self.span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            self.span.end()
+
+    def _end_queue_wait(self) -> None:
+        if self._queue_span is not None:
+            self._queue_span.end()
+            self._queue_span = None
+
+
