@@ -453,7 +453,7 @@ adapt_to_payload() {
 
 # ---- main -------------------------------------------------------------------------------------------------------
 
-[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,37p' "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in preflight|summary) ;; *) config_for "$phase" >/dev/null || { echo "unknown phase: $phase" >&2; exit 2; } ;; esac
 done
