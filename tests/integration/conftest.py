@@ -1,6 +1,12 @@
-"""Session-scoped real app: `serve run` on a copy of serve_configs/local.yaml (real Ray Serve, real vLLM on CPU).
+"""The real app under test: `serve run` on a copy of serve_configs/local.yaml (real Ray Serve, real vLLM on CPU).
 
 It is the README's serve command path; only the ports differ so a developer's own app on :8000 is left alone.
+
+One app runs at a time (one Ray cluster, the same ports). Each module asks for the app it needs by name through a
+module-scoped fixture: `app_process` for the shared test app ("local-test"), or `apps.use(name, write_config)` for
+its own. The session's AppManager keeps the running app while the next module asks for the same one and restarts
+only when the name changes (or a module marked `disrupts_app` ran on it), so any file order works;
+pytest_collection_modifyitems only groups modules by app (named by `pytest.mark.app(name)`) so each app starts once.
 """
 
 from __future__ import annotations
@@ -12,8 +18,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -35,10 +40,35 @@ TEST_MAX_FILE_BYTES = 1024 * 1024
 SPAN_FILE = Path(tempfile.gettempdir()) / "llm-lanes-test-spans.jsonl"
 
 
+SHARED_APP = "local-test"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "app(name): the integration app a module runs on (default: the shared one)")
+    config.addinivalue_line("markers", "disrupts_app: the module leaves its app changed (killed replicas, restarts): "
+                                       "the next module on that app gets a fresh one")
+
+
+def app_name_of(item) -> str:
+    marker = item.get_closest_marker("app")
+    return marker.args[0] if marker else SHARED_APP
+
+
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if "tests/integration" in str(item.fspath):
-            item.add_marker(pytest.mark.integration)
+    """Integration items grouped by app (the shared app first), each app's disruptive modules last; the order within
+    a group is the collected one. For speed only: every module gets its own app whatever the order."""
+    integration = [item for item in items if "tests/integration" in str(item.fspath)]
+    for item in integration:
+        item.add_marker(pytest.mark.integration)
+    if not integration:
+        return
+    apps_in_order = [SHARED_APP] + list(dict.fromkeys(app_name_of(item) for item in integration))
+    rank = {name: index for index, name in enumerate(dict.fromkeys(apps_in_order))}
+    first = items.index(integration[0])
+    chosen = set(integration)
+    others = [item for item in items if item not in chosen]
+    integration.sort(key=lambda item: (rank[app_name_of(item)], item.get_closest_marker("disrupts_app") is not None))
+    items[:] = others[:first] + integration + others[first:]
 
 
 def local_test_document(tiny_model: Path) -> tuple[dict, dict]:
@@ -70,7 +100,7 @@ def kill_the_only_replica(deployment: str) -> None:
         ray.shutdown()
 
 
-def _write_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
+def write_shared_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
     document, args = local_test_document(tiny_model)
     # Small engines and short limits so contention, queues, deadlines and breakers show within seconds on 2 cores.
     args["hot_lane"]["engine"]["max_num_seqs"] = TEST_HOT_MAX_NUM_SEQS
@@ -169,25 +199,59 @@ class AppProcess:
         self.start()
 
 
-@contextmanager
-def served_app(config: Path, log_path: Path) -> Iterator[AppProcess]:
-    """`serve run CONFIG` for the length of the block: started (every lane answering), stopped afterwards."""
-    app = AppProcess(config, log_path)
-    try:
+class AppManager:
+    """The session's one running app, known by name. `use` hands back the running app when it has the name asked
+    for, else stops it and starts the asked one from `write_config(tmp_dir, tiny_model)`."""
+
+    def __init__(self, tmp_path_factory, tiny_model: Path):
+        self._tmp_path_factory = tmp_path_factory
+        self._tiny_model = tiny_model
+        self.name: str | None = None
+        self.app: AppProcess | None = None
+        self.dirty = False
+
+    def use(self, name: str, write_config: Callable[[Path, Path], Path],
+            ready: Callable[[AppProcess], bool] | None = None) -> AppProcess:
+        """The app `name`, running; `ready` (if given) must hold before it is handed over (e.g. replica counts)."""
+        if self.app is not None and self.name == name and not self.dirty:
+            return self.app
+        self.stop()
+        tmp_dir = self._tmp_path_factory.mktemp(name)
+        app = AppProcess(write_config(tmp_dir, self._tiny_model), tmp_dir / "serve.log")
+        self.name, self.app, self.dirty = name, app, False
         app.start()
-        yield app
+        if ready is not None:
+            assert wait_until(lambda: ready(app), timeout_s=60), f"app {name} did not get ready; log: {app.log_path}"
+        return app
+
+    def mark_dirty(self) -> None:
+        self.dirty = True
+
+    def stop(self) -> None:
+        if self.app is not None:
+            self.app.stop()
+        self.name, self.app, self.dirty = None, None, False
+
+
+@pytest.fixture(scope="session")
+def apps(tmp_path_factory, tiny_model) -> Iterator[AppManager]:
+    manager = AppManager(tmp_path_factory, tiny_model)
+    try:
+        yield manager
     finally:
-        app.stop()
+        manager.stop()
 
 
-@pytest.fixture(scope="session")
-def app_process(tmp_path_factory, tiny_model) -> AppProcess:
-    tmp_dir = tmp_path_factory.mktemp("serve")
-    with served_app(_write_test_config(tmp_dir, tiny_model), tmp_dir / "serve.log") as app:
-        yield app
+@pytest.fixture(scope="module")
+def app_process(request, apps) -> Iterator[AppProcess]:
+    """The shared test app (write_shared_test_config). A module marked `disrupts_app` leaves it to be restarted."""
+    app = apps.use(SHARED_APP, write_shared_test_config)
+    yield app
+    if request.node.get_closest_marker("disrupts_app") is not None:
+        apps.mark_dirty()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def app_url(app_process) -> str:
     return app_process.url
 
@@ -198,7 +262,7 @@ def served_model() -> str:
     return document["applications"][0]["args"]["model"]["served_name"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def openai_client(app_url):
     import openai
 

@@ -1,7 +1,7 @@
 """Decode handoff on the real CPU engines (`admission.interactive_decode_handoff_tokens: 1`): an interactive answer's
 first token comes from the hot lane, the rest from the cold lane, and the client gets one answer -- the same text the
-hot lane alone gives for a greedy request, with every token counted once. Its own app, started after every other
-integration module, with serve_configs/gpu-single.yaml's Ray Serve replica settings (gRPC between replicas, user code
+hot lane alone gives for a greedy request, with every token counted once. Its own app ("decode-handoff"),
+with serve_configs/gpu-single.yaml's Ray Serve replica settings (gRPC between replicas, user code
 and request routers on each replica's main loop), the combination that file ships. The hot lane has two replicas,
 one kept for realtime requests (admission.realtime_reserved_hot_replicas: 1), as
 load_tests/configs/gpu-single-rt-reserve.yaml has on the H200."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
@@ -22,16 +23,18 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
 from tests.integration.conftest import GRPC_PORT, ROOT, lane_stats, local_test_document, write_serve_config
 from tests.integration.test_batch_api import batch_lines, wait_for_batch
-from tests.integration.test_zzz_prefix_affinity_and_scaling import lanes, serve_with_hot_replicas
+from tests.integration.test_prefix_affinity_and_scaling import hot_replicas_report, lanes
 
 MAX_TOKENS = 24
 HOT_REPLICAS = 2
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
-@pytest.fixture(scope="module")
-def handoff_app(tmp_path_factory, tiny_model):
-    tmp_dir = tmp_path_factory.mktemp("decode-handoff")
+APP = "decode-handoff"
+pytestmark = pytest.mark.app(APP)
+
+
+def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
     document, args = local_test_document(tiny_model)
     args["admission"]["interactive_decode_handoff_tokens"] = 1
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
@@ -40,8 +43,12 @@ def handoff_app(tmp_path_factory, tiny_model):
     gpu_single = yaml.safe_load((ROOT / "serve_configs" / "gpu-single.yaml").read_text())
     document["applications"][0]["runtime_env"] = gpu_single["applications"][0]["runtime_env"]
     assert "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" in document["applications"][0]["runtime_env"]["env_vars"]
-    config = write_serve_config(tmp_dir / "decode-handoff.yaml", document)
-    yield from serve_with_hot_replicas(config, tmp_dir / "serve.log", HOT_REPLICAS)
+    return write_serve_config(tmp_dir / "decode-handoff.yaml", document)
+
+
+@pytest.fixture(scope="module")
+def handoff_app(apps):
+    return apps.use(APP, _write_config, ready=hot_replicas_report(HOT_REPLICAS))
 
 
 def chat(url: str, served_model: str, **fields) -> httpx.Response:

@@ -1,6 +1,6 @@
 """Prefix-affinity routing and queue-depth autoscaling on the real CPU engine, with more than one replica per lane.
 
-Its own app (started after every other integration module; it stops the shared test app): the hot lane has two
+Its own app ("prefix-scaling"): the hot lane has two
 replicas with small KV caches (12 MiB, 6144 tokens each) so evictions happen within seconds; the cold lane scales
 between 1 and 2 replicas on its batch backlog with short delays. The prefix index is fed exactly, by every engine's
 vLLM KV-cache events.
@@ -12,7 +12,7 @@ import asyncio
 import io
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +23,6 @@ from tests.integration.conftest import (
     AppProcess,
     kill_the_only_replica,
     local_test_document,
-    served_app,
     wait_until,
     write_serve_config,
 )
@@ -54,18 +53,20 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
     return write_serve_config(tmp_dir / "prefix-scaling.yaml", document)
 
 
-def serve_with_hot_replicas(config: Path, log_path: Path, hot_replicas: int) -> Iterator[AppProcess]:
-    """A module's own app (for a module-scoped fixture to `yield from`): started, handed over once `hot_replicas`
-    hot-lane replicas report, stopped afterwards."""
-    with served_app(config, log_path) as app:
-        assert wait_until(lambda: len(lanes(app.url)["hot"]) == hot_replicas, timeout_s=60), lanes(app.url)
-        yield app
+APP = "prefix-scaling"
+pytestmark = [pytest.mark.app(APP), pytest.mark.disrupts_app]  # scales the cold lane, kills the PrefixCache
+
+
+def hot_replicas_report(count: int) -> Callable[[AppProcess], bool]:
+    """An app's readiness for the modules that run more than one hot replica: all `count` of them report."""
+    return lambda app: len(lanes(app.url)["hot"]) == count
 
 
 @pytest.fixture(scope="module")
-def scaling_app(tmp_path_factory, tiny_model):
-    tmp_dir = tmp_path_factory.mktemp("prefix-scaling")
-    yield from serve_with_hot_replicas(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log", HOT_REPLICAS)
+def scaling_app(apps):
+    app = apps.use(APP, _write_config, ready=hot_replicas_report(HOT_REPLICAS))
+    yield app
+    apps.mark_dirty()
 
 
 def stats(url: str, attempts: int = 3) -> dict:

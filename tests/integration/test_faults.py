@@ -1,4 +1,5 @@
-"""Faults, run last (they kill replicas and restart the app): nothing in a batch is lost or recorded twice, and
+"""Faults on the shared test app (they kill replicas and restart the app, so the module is marked `disrupts_app`:
+the next module on that app gets a fresh one, and the conftest runs it last among that app's modules): nothing in a batch is lost or recorded twice, and
 interactive traffic carries on on the hot lane while the cold lane's replica is replaced."""
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.integration.conftest import kill_the_only_replica, orphaned_engine_processes, router_stats, wait_until
 from tests.integration.test_batch_api import batch_lines, wait_for_batch
+
+pytestmark = pytest.mark.disrupts_app
 
 
 def submit(openai_client, served_model: str, count: int, max_tokens: int):

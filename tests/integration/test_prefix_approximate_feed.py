@@ -2,7 +2,7 @@
 
 `prefix_cache.feed: approximate` is the fallback for engines without KV events: the Router records each long prompt
 on the replica Serve routed it to, and the PrefixCache forgets an entry nobody added or looked up for
-`approximate_ttl_s`. Its own app (two hot-lane replicas, a short TTL), started after every other integration module.
+`approximate_ttl_s`. Its own app ("prefix-approximate": two hot-lane replicas, a short TTL).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import local_test_document, wait_until, write_serve_config
-from tests.integration.test_zzz_prefix_affinity_and_scaling import (
+from tests.integration.test_prefix_affinity_and_scaling import (
     PREFIX_TOKENS,
     complete,
     holders,
+    hot_replicas_report,
     lanes,
     router_mirror_caught_up,
-    serve_with_hot_replicas,
     shared_prefix_prompt,
     stats,
 )
@@ -35,10 +35,13 @@ def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
     return write_serve_config(tmp_dir / "prefix-approximate.yaml", document)
 
 
+APP = "prefix-approximate"
+pytestmark = pytest.mark.app(APP)
+
+
 @pytest.fixture(scope="module")
-def approximate_app(tmp_path_factory, tiny_model):
-    tmp_dir = tmp_path_factory.mktemp("prefix-approximate")
-    yield from serve_with_hot_replicas(_write_config(tmp_dir, tiny_model), tmp_dir / "serve.log", HOT_REPLICAS)
+def approximate_app(apps):
+    return apps.use(APP, _write_config, ready=hot_replicas_report(HOT_REPLICAS))
 
 
 def test_routing_feeds_the_index_and_unused_entries_expire(approximate_app, served_model):
