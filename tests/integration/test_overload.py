@@ -1,0 +1,108 @@
+"""Overload on the real app: after a little traffic and a quiet spell, about five times as many closed-loop
+interactive streams as the hot lane runs at once, plus a few flex streams. The hot lane must keep serving
+interactive work (it is not left idle while requests wait for it, nor handed far more than it runs), admitted
+interactive requests keep their TTFT within the config's `admission.interactive_ttft_slo_s`, the rest are refused
+early with 429 and a usable Retry-After, flex work completes meanwhile, and nothing answers 5xx.
+
+The load and its figures come from load_tests/overload.py (the same phases and aggregation as the benchmark, shorter
+and in this process); refused streams wait the Retry-After before their next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import yaml
+
+from load_tests.overload import (
+    StatsSampler,
+    burst_scenarios,
+    drive,
+    light_scenario,
+    limits_from_args,
+    records_from,
+    retry_after_s,
+    summarize_class,
+    summarize_samples,
+)
+
+LOAD_MULTIPLE = 5  # interactive streams per sequence the hot engines run at once
+FLEX_STREAMS = 2
+MAX_TOKENS = 128
+PROMPT_TOKENS = {"dist": "uniform", "min": 48, "max": 80}
+LIGHT_RATE = 2.0
+LIGHT_S = 4.0
+QUIET_S = 10.0
+BURST_S = 25.0
+SAMPLE_INTERVAL_S = 1.0
+REQUEST_TIMEOUT_S = 60.0
+RETRY_AFTER_RANGE_S = (1.0, 60.0)
+
+
+def served_args(app_process) -> dict:
+    document = yaml.safe_load(app_process.config.read_text())
+    return document["applications"][0]["args"]
+
+
+async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(app_process, app_url, served_model):
+    limits = limits_from_args(served_args(app_process))
+    capacity = limits.hot_capacity
+    slo_s = limits.interactive_ttft_slo_s
+    interactive_streams = LOAD_MULTIPLE * capacity
+
+    with StatsSampler(app_url, SAMPLE_INTERVAL_S) as sampler:
+        sampler.phase = "light"
+        await drive(light_scenario(served_model, LIGHT_RATE, LIGHT_S, MAX_TOKENS, PROMPT_TOKENS, 1,
+                                   REQUEST_TIMEOUT_S), app_url)
+        sampler.phase = "quiet"
+        await asyncio.sleep(QUIET_S)
+        sampler.phase = "burst"
+        (scenario,) = burst_scenarios(served_model, interactive_streams, FLEX_STREAMS, 1, BURST_S, MAX_TOKENS,
+                                      PROMPT_TOKENS, 1, REQUEST_TIMEOUT_S)
+        result = await drive(scenario, app_url)
+        sampler.phase = "after"
+
+    origin = result["start_unix"]
+    window = (0.0, BURST_S)
+    records = records_from([result], origin)
+    interactive = [r for r in records if r.request_class == "interactive"]
+    flex = [r for r in records if r.request_class == "batch"]
+    summary = summarize_class(interactive, slo_s, window)
+    flex_summary = summarize_class(flex, None, window)
+    burst_samples = [s for s in sampler.samples if s["phase"] == "burst" and 0 <= s["t"] - origin < BURST_S]
+    stats = summarize_samples(burst_samples, limits.hot_max_num_seqs)
+    figures = (f"interactive: {summary}\nflex: {flex_summary}\nstats: {stats}\n"
+               f"capacity {capacity}, {interactive_streams} interactive streams, SLO {slo_s} s")
+
+    # Nothing failed on the server's side; interactive requests were admitted or refused with 429, flex ones (the
+    # batch class is queued, never refused for load) all admitted.
+    assert summary["server_errors_5xx"] == 0 and flex_summary["server_errors_5xx"] == 0, figures
+    assert summary["other_errors"] == {}, figures
+    assert flex_summary["rejected_429"] == 0 and flex_summary["other_errors"] == {}, figures
+    assert summary["admitted"] > 0, figures
+
+    # Admitted interactive requests kept their first token within the SLO.
+    assert summary["ttft_ms"]["p99"] is not None and summary["ttft_ms"]["p99"] <= slo_s * 1000, figures
+
+    # The hot lane served interactive work through the burst: a clear majority of the admitted requests, or on
+    # average at least half of its slots (its share per the Router's hot_slots limit where the app reports one).
+    hot_served = summary["lanes"].get("hot", 0)
+    slots = stats["hot_slots_limit"] if stats["hot_slots_reported"] else capacity
+    assert hot_served > 0, figures
+    assert summary["hot_share"] > 0.5 or summary["hot_in_flight_mean"] >= 0.5 * max(1, slots), figures
+
+    # Never far more in the hot engines than they run, and not idle while the Router holds interactive requests.
+    assert stats["hot_in_engine_max"] is not None and stats["hot_in_engine_max"] <= 2 * capacity, figures
+    if stats["with_interactive_held"] >= 3:
+        assert stats["held_while_hot_running_none"] <= 0.25 * stats["with_interactive_held"], figures
+
+    # Those refused were told when to come back.
+    refused = [r for r in interactive if r.status == 429]
+    for record in refused:
+        delay = retry_after_s(record.retry_after)
+        assert delay is not None and RETRY_AFTER_RANGE_S[0] <= delay <= RETRY_AFTER_RANGE_S[1], (
+            f"429 with Retry-After {record.retry_after!r}\n{figures}")
+
+    # Flex work kept progressing during the burst.
+    assert flex_summary["completed_in_window"] >= 1, figures
+    assert flex_summary["tokens_per_s_in_window"] > 0, figures
