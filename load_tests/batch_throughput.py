@@ -1,4 +1,4 @@
-"""Batch throughput (issue 5): the same batch through the app's Batch API and on the bare engine, in one run.
+"""Batch throughput: the same batch through the app's Batch API and on the bare engine, in one run.
 
 One seeded batch (--prompts prompts of --min/--max-prompt-tokens random token ids, --max-tokens output tokens each
 with ignore_eos, so every line makes exactly that many tokens) is run three ways:

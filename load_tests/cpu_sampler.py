@@ -6,7 +6,7 @@ a JSON-lines file, then summed per process over a time window (in cores: CPU sec
 
 Ray names its workers after their actor (`ray::ServeReplica:llm-lanes:ColdLane`), vLLM its processes
 (`VLLM::EngineCore`, `VLLM::Worker`), so one line per deployment and engine process comes out. Linux only. Reading
-/proc once a second costs about 1 % of a core on the 2-core host (docs/benchmarks.md, issue 5's ninth-session runs).
+/proc once a second costs about 1 % of a core on the 2-core host (docs/history.md, batch throughput runs).
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ def is_baseline(label: str) -> bool:
 
 
 def evaluate_targets(phases: list[dict[str, Any]], scenario: str) -> None:
-    """Adds phase["targets"][scenario]: issue 7's three conditions (SLO p99s from the scenario, batch >= 0.95 x
+    """Adds phase["targets"][scenario]: the GPU benchmark's three conditions (SLO p99s from the scenario, batch >= 0.95 x
     the FCFS baseline's output tokens/s), each True / False / None (not measured)."""
     baseline = next((p for p in phases if phase_name(p.get("label", "")) == BASELINE_PHASE), None)
     base_batch = None

@@ -1,4 +1,4 @@
-"""What tracing and the Router cost (issue 6), measured in one run on whatever engine the base serve config names.
+"""What tracing and the Router cost, measured in one run on whatever engine the base serve config names.
 
 (a) Tracing overhead. The app is started once per tracing variant from a copy of the base serve config that differs
     only in `observability.tracing`: off (exporter none), file exporter with 100 % sampling, file exporter with 1 %

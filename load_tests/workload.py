@@ -42,7 +42,7 @@ class ClientPool:
 
     Several clients per server when many requests are outstanding at once: httpcore's connection pool scans all of
     its connections for every request it places, so one client holding 256 connections kept the load generator's
-    event loop busy for seconds at a time and sent the scenario's arrivals in clumps (2026-12-03, mixed_backlog.yaml:
+    event loop busy for seconds at a time and sent the scenario's arrivals in clumps (mixed_backlog.yaml:
     py-spy showed the loop in httpcore's connection pool). The latency measured was the generator's."""
 
     def __init__(self, base_url: str, clients_per_server: int = 1, **client_options: Any):

@@ -3,8 +3,8 @@
 A lane replica's vLLM engine runs in child processes (`VLLM::EngineCore`, `VLLM::Worker`...). When the replica exits
 normally it shuts them down (`LaneReplica.__del__` -> `engine.shutdown()`), but when it is SIGKILLed -- `ray stop
 --force`, the OOM killer, a node agent -- nothing tells them: they live on as orphans holding their memory (~1.4 GB
-each on CPU, the whole KV cache on a GPU, so the replica Serve starts in its place may not fit). Measured on
-2026-12-04: every integration-test app stop left both lanes' engines running.
+each on CPU, the whole KV cache on a GPU, so the replica Serve starts in its place may not fit). Without it, every
+integration-test app stop leaves both lanes' engines running.
 
 So each replica starts one small watcher process (`python -m app.lanes.engine_reaper`) in its own session, so that
 signals meant for the replica's process group miss it. It waits for the replica's pid to end, then SIGKILLs the

@@ -1,7 +1,7 @@
 """Where a streamed request's time to first token goes, hop by hop, from the app's own trace spans.
 
-Built for issue 7's realtime target (TTFT p99 <= 50 ms on the H200; round 9 found the engine's first step, not the
-request path, was most of it: docs/benchmarks-gpu.md). This splits the TTFT the Router sees into the hops of that
+Built for the realtime target (TTFT p99 <= 50 ms on the H200), where the engine's first step, not the request path,
+is most of it (docs/history.md, round 9). This splits the TTFT the Router sees into the hops of that
 path, per request class, from the JSON-lines span file the app writes with
 `observability.tracing: {exporter: file, file_path: ...}`:
 

@@ -2,7 +2,7 @@
 
 Why: an engine step cannot be preempted. A realtime prompt that reaches a hot engine while it prefills interactive
 prompts waits for that step, then shares the next one with them; on the H200 that is what made realtime TTFT p99
-miss 50 ms while its median was ~30 ms (docs/benchmarks-gpu.md, round 9). A replica that takes no interactive work
+miss 50 ms while its median was ~30 ms (docs/history.md, round 9). A replica that takes no interactive work
 has no interactive step to wait for.
 
 The rule (`admission.realtime_reserved_hot_replicas: N`):

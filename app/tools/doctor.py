@@ -1021,7 +1021,8 @@ def check_slowest_traces(inputs: DoctorInputs) -> list[Finding]:
 
 
 # TTFT by hop: the Router's own work plus the two Serve hops is "the request path"; WARN when it is at least this
-# share of a class's median TTFT (on the H200 it was ~7 of 42 ms before the Serve settings of round 9, ~4 of 28 after).
+# share of a class's median TTFT (on the H200 it is ~7 of 42 ms with Ray Serve's default replica settings, ~4 of 28
+# with gpu-single.yaml's; docs/history.md, round 9).
 PATH_SHARE_WARN = 0.5
 HOP_ACTIONS = {
     "engine_first_token": "the engine's first step: check that the hot lane's CUDA graphs cover its prefills "

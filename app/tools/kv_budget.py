@@ -590,8 +590,8 @@ def build_inputs(args: argparse.Namespace) -> BudgetInputs:
 
 # ---- engines sharing one GPU (--shared-gpu) ------------------------------------------------------------------------
 # What an engine holds beyond its weights and KV cache: activation peak, CUDA graphs, CUDA / MPS context. Three engines
-# of the Llama-3.1-8B-shaped model on one H200 peaked at 134,023 MiB, their weights + KV + 2.0 GiB each (round 10,
-# docs/benchmarks-gpu.md); at ready it was 1.0 GiB (hot) and 1.8 GiB (cold).
+# of the Llama-3.1-8B-shaped model on one H200 peak at 134,023 MiB, their weights + KV + 2.0 GiB each
+# (docs/history.md, round 10); at ready it is 1.0 GiB (hot) and 1.8 GiB (cold).
 ENGINE_OVERHEAD_GIB = 2.0
 
 

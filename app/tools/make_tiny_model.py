@@ -136,7 +136,7 @@ def make_shaped_model(out_dir: Path, shape: str) -> None:
 
     The padding goes into the BPE model's own vocabulary as plain tokens `<|reserved_N|>` (printable ASCII, which
     byte-level BPE maps to itself), so every id that random weights produce decodes to visible text. Padding with
-    126k *added* tokens instead made the tokenizer take minutes to load (measured on the H200 host, 2026-12-02).
+    126k *added* tokens instead makes the tokenizer take minutes to load (measured on the H200 host).
     """
     from transformers import AutoTokenizer
 

@@ -36,7 +36,7 @@ MIN_HOST_DEVICE_GBPS = 64.0
 MAX_HEALTH_CHECK_PERIOD_S = 5.0
 TIMEOUT_OVER_P99 = 3.0
 # A short chat turn's prompt, in tokens: a hot lane whose CUDA graphs stop below it prefills every such prompt without
-# graphs (round 9 on the H200: realtime TTFT p50 42 ms without, 30 ms with graphs up to 512).
+# graphs (on the H200: realtime TTFT p50 42 ms without, 30 ms with graphs up to 512; docs/history.md, round 9).
 HOT_PREFILL_GRAPH_TOKENS = 256
 # vLLM's default: CUDA graphs for steps up to 2 x max_num_seqs tokens, at most 512 (vllm/config/vllm.py).
 VLLM_DEFAULT_GRAPH_MAX_TOKENS = 512
@@ -305,7 +305,7 @@ def check_hot_lane_prefill_graphs(r: Readings, minimum: int = HOT_PREFILL_GRAPH_
         return Check(name, PASS, value)
     return Check(name, WARN, value,
                  "the hot lane prefills short prompts without CUDA graphs (hundreds of kernel launches per step): set "
-                 "hot_lane.engine.cuda_graph_max_tokens: 512 (docs/benchmarks-gpu.md, round 9)")
+                 "hot_lane.engine.cuda_graph_max_tokens: 512 (docs/history.md, round 9)")
 
 
 def run_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Check]:
