@@ -1,0 +1,75 @@
+"""LaneSlots: a Router's share of a lane's engine slots and the predicted wait for one, from the present state."""
+
+import asyncio
+
+import pytest
+
+from app.router.control import share
+from app.router.hot_slots import LaneSlots
+from tests.fakes import FakeClock
+
+
+def test_no_wait_while_a_slot_is_free_and_none_predicted_before_any_hold_is_known():
+    slots = LaneSlots(2, clock=FakeClock())
+    assert slots.free() == 2 and slots.predicted_wait_s() == 0.0
+    slots.take(), slots.take()
+    assert slots.free() == 0
+    assert slots.predicted_wait_s() == 0.0  # nothing ever held a slot long enough to tell: the burst waits
+
+
+def test_the_wait_follows_recent_hold_times_and_ignores_idle_time():
+    clock = FakeClock()
+    slots = LaneSlots(4, clock=clock)
+    for _ in range(4):
+        token = slots.take()
+        clock.advance(2.0)
+        slots.release(token)
+    clock.advance(3600)  # an hour idle changes nothing
+    for _ in range(4):
+        slots.take()
+    assert slots.predicted_wait_s() == pytest.approx(0.5)  # slots free at 4 per 2 s
+    assert slots.predicted_wait_s(ahead=3) == pytest.approx(2.0)
+
+
+def test_requests_holding_slots_longer_than_before_raise_the_prediction():
+    clock = FakeClock()
+    slots = LaneSlots(2, clock=clock)
+    token = slots.take()
+    clock.advance(1.0)
+    slots.release(token)
+    slots.take(), slots.take()
+    clock.advance(5.0)  # both holders are 5 s old: a hold is at least that long now
+    assert slots.hold_time_s() == pytest.approx(5.0)
+    assert slots.predicted_wait_s() == pytest.approx(2.5)
+
+
+def test_failed_requests_do_not_teach_the_hold_time():
+    clock = FakeClock()
+    slots = LaneSlots(1, clock=clock)
+    token = slots.take()
+    clock.advance(0.01)
+    slots.release(token, record_hold=False)
+    assert slots.hold_time_s() is None and slots.in_flight == 0
+
+
+async def test_waiters_are_served_first_come_first_served_as_slots_free():
+    slots = LaneSlots(1, clock=FakeClock())
+    held = slots.take()
+    order = []
+
+    async def wait(name):
+        token = await slots.acquire()
+        order.append(name)
+        return token
+
+    first, second = asyncio.create_task(wait("first")), asyncio.create_task(wait("second"))
+    await asyncio.sleep(0)
+    assert slots.waiting == 2 and slots.free() == 0
+    slots.release(held)
+    slots.release(await first)
+    await second
+    assert order == ["first", "second"]
+
+
+def test_the_share_of_slots_is_split_across_routers_rounded_up():
+    assert share(28, 1, 1) == 28 and share(28, 2, 3) == 19 and share(28, 0, 1) == 0 and share(0, 4, 1) == 0

@@ -1,0 +1,189 @@
+"""The request pipeline through its constructor, with fake lanes whose requests run until the test ends them: the
+hot lane gets interactive work up to this Router's slots, a request past them waits for the next free slot when
+that is within the TTFT SLO (also after a long idle spell), spills while the cold lane has room, and is refused
+with 429 and a Retry-After from the expected drain after that."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.classes import Lane
+from app.lanes.types import LaneChunk, LaneRequest
+from app.router import openai_api as api
+from app.router.endpoints import COMPLETION
+from tests.fakes import FakeClock
+from tests.router_fakes import FakeLane, make_pipeline
+
+# 8 sequences per hot engine, 4 of them for realtime: 4 hot slots for interactive work at this (only) Router.
+ADMISSION = {"realtime_max_inflight": 4, "interactive_ttft_slo_s": 1.0, "cold_spill_slots_per_replica": 2}
+HOT_ENGINE = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32", "max_num_seqs": 8}, "deployment": {}}
+
+
+class HeldStream:
+    """A lane request that sends its first token at once, then runs until the test finishes it."""
+
+    def __init__(self, lane: "HeldLane", request: LaneRequest):
+        self.lane, self.request = lane, request
+        self.done = asyncio.Event()
+        self.sent = 0
+        self.cancelled = False
+        lane.running.append(self)
+        lane.peak = max(lane.peak, len(lane.running))
+
+    async def __anext__(self):
+        if self.sent == 0:
+            self.sent = 1
+            return LaneChunk(text="a", completion_tokens=1, prompt_tokens=len(self.request.prompt_token_ids),
+                             lane=self.lane.name)
+        if self.sent == 2:
+            raise StopAsyncIteration
+        await self.done.wait()
+        self.sent = 2
+        self._leave()
+        return LaneChunk(text="b", completion_tokens=2, prompt_tokens=len(self.request.prompt_token_ids),
+                         finish_reason="length", lane=self.lane.name)
+
+    def cancel(self):
+        self.cancelled = True
+        self._leave()
+
+    def _leave(self):
+        if self in self.lane.running:
+            self.lane.running.remove(self)
+
+
+class HeldLane(FakeLane):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.running: list[HeldStream] = []
+        self.peak = 0
+
+    def remote(self, request: LaneRequest) -> HeldStream:
+        self.requests.append(request)
+        return HeldStream(self, request)
+
+    def finish_one(self):
+        self.running[0].done.set()
+
+
+def body(**fields) -> api.CompletionRequest:
+    return api.CompletionRequest.model_validate({"model": "tiny", "prompt": "hello", "max_tokens": 2, **fields})
+
+
+class Harness:
+    def __init__(self):
+        self.clock = FakeClock()
+        self.lanes = {"hot": HeldLane("hot"), "cold": HeldLane("cold")}
+        self.pipeline, _, self.metrics = make_pipeline(self.lanes, clock=self.clock, admission=ADMISSION,
+                                                       hot_lane=HOT_ENGINE)
+        self.slots = self.pipeline.control.hot_slots
+        self.answers: list[asyncio.Task] = []
+
+    async def start(self, **fields):
+        """Start a request; its answer is collected in the background. Returns the call (or raises OpenAIError)."""
+        call = await self.pipeline.start(COMPLETION, body(**fields))
+        self.answers.append(asyncio.create_task(self.pipeline.collect(call)))
+        return call
+
+    async def settle(self):
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    async def finish_all(self):
+        for lane in self.lanes.values():
+            for stream in list(lane.running):
+                stream.done.set()
+        await asyncio.gather(*self.answers)
+
+    async def warm_up(self, hold_s: float, requests: int = 4):
+        """Serve `requests` interactive requests one at a time, each holding its slot `hold_s`."""
+        for _ in range(requests):
+            await self.start()
+            self.clock.advance(hold_s)
+            self.lanes["hot"].finish_one()
+            await asyncio.gather(*self.answers)
+            self.answers.clear()
+
+
+async def test_the_hot_lane_takes_interactive_work_up_to_its_slots_and_never_more():
+    h = Harness()
+    assert h.slots.limit == 4
+    calls = [await h.start() for _ in range(4)]
+    assert [c.lane for c in calls] == [Lane.HOT] * 4 and h.lanes["hot"].peak == 4
+    waiter = asyncio.create_task(h.start())
+    await h.settle()
+    assert h.slots.waiting == 1 and not waiter.done() and len(h.lanes["hot"].running) == 4
+    h.lanes["hot"].finish_one()  # a slot frees: the waiter takes it at once, the hot lane never idles
+    call = await asyncio.wait_for(waiter, timeout=5)
+    assert call.lane is Lane.HOT and h.lanes["hot"].peak == 4 and h.slots.waiting == 0
+    await h.finish_all()
+    assert h.slots.in_flight == 0
+
+
+async def test_a_burst_after_a_long_idle_spell_waits_for_the_hot_lane_instead_of_spilling():
+    h = Harness()
+    await h.warm_up(hold_s=0.5)
+    h.clock.advance(600)  # ten quiet minutes: nothing about the hot lane's pace has changed
+    calls = [await h.start() for _ in range(4)]
+    assert all(c.lane is Lane.HOT for c in calls)
+    # Slots free at 4 per 0.5 s: the next request is predicted 0.125 s, within the 1 s SLO, and waits for hot.
+    assert h.slots.predicted_wait_s() == pytest.approx(0.125)
+    waiter = asyncio.create_task(h.start())
+    await h.settle()
+    assert h.slots.waiting == 1 and not h.lanes["cold"].requests
+    h.lanes["hot"].finish_one()
+    assert (await asyncio.wait_for(waiter, timeout=5)).lane is Lane.HOT
+    await h.finish_all()
+
+
+async def test_past_the_slo_interactive_spills_while_the_cold_lane_has_room_then_gets_429():
+    h = Harness()
+    await h.warm_up(hold_s=4.0)  # slots free at 4 per 4 s: one a second
+    for _ in range(4):
+        await h.start()
+    first_waiter = asyncio.create_task(h.start())  # predicted 1 s: within the SLO, waits
+    await h.settle()
+    assert h.slots.waiting == 1
+    spilled = [await h.start() for _ in range(2)]  # predicted 2 s: over the SLO, the cold lane has 2 places
+    assert [c.lane for c in spilled] == [Lane.COLD, Lane.COLD]
+    assert all(c.headers()["x-llm-lanes-degraded"] == "hot_saturated" for c in spilled)
+    assert all(r.priority < 20 for r in h.lanes["cold"].requests)  # ahead of batch work there
+    with pytest.raises(api.OpenAIError) as refused:
+        await h.start()
+    assert refused.value.status == 429 and refused.value.code == "hot_lane_full"
+    assert refused.value.headers["Retry-After"] == "1"  # a place opens within the SLO in ~1 s
+    rejected = [tags for _, tags in h.metrics.of("llm_lanes_requests_total") if tags["outcome"] == "rejected"]
+    assert rejected == [{"lane": "none", "request_class": "interactive", "outcome": "rejected", "status": "429"}]
+    # Realtime and batch never wait for the Router's interactive slots.
+    assert (await h.start(service_tier="priority")).lane is Lane.HOT
+    assert (await h.start(service_tier="flex")).lane is Lane.COLD
+    h.lanes["hot"].finish_one()
+    await asyncio.wait_for(first_waiter, timeout=5)
+    await h.finish_all()
+    assert h.slots.in_flight == 0 and h.pipeline.control.cold_spill.in_flight == 0
+
+
+async def test_a_waiting_request_whose_client_leaves_gives_up_its_place():
+    h = Harness()
+    for _ in range(4):
+        await h.start()
+    waiter = asyncio.create_task(h.start())
+    await h.settle()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert h.slots.waiting == 0 and h.slots.in_flight == 4
+    assert h.pipeline.control.queue_depths()["interactive"] == 0
+    await h.finish_all()
+
+
+async def test_without_admission_the_pipeline_is_a_plain_pool():
+    lanes = {"hot": HeldLane("hot"), "cold": HeldLane("cold")}
+    pipeline, _, _ = make_pipeline(lanes, admission={"enabled": False})
+    assert pipeline.control.hot_slots is None
+    calls = [await pipeline.start(COMPLETION, body()) for _ in range(20)]
+    assert all(c.lane is Lane.HOT for c in calls) and lanes["hot"].peak == 20
+    for call in calls:
+        call.stream.cancel()
