@@ -78,7 +78,7 @@ class DispatcherStats:
 class BatchDispatcher:
     def __init__(self, store: BatchStore, execute: ExecuteFn, *, window: ConcurrencyWindow | None = None,
                  owner: str | None = None, lease_s: float = 60.0, renew_interval_s: float | None = None,
-                 poll_interval_s: float = 0.5, max_attempts: int = 3, hot_loans: int = 0,
+                 poll_interval_s: float = 0.5, max_attempts: int = 3,
                  clock: Callable[[], float] = time.monotonic):
         if lease_s <= 0 or max_attempts < 1:
             raise ValueError("lease_s must be > 0 and max_attempts >= 1")
@@ -103,24 +103,15 @@ class BatchDispatcher:
         # Replica counts this dispatcher's share is computed from (set_replica_counts); 1 and 1 until told.
         self.cold_replicas = 1
         self.router_replicas = 1
-        # Lines claimed on top of the cold share for the hot lane's loans (admission.hot_batch_borrow_max). The
-        # Router's TrafficControl sends a line to the hot lane only once the cold share is taken and a loan is free;
-        # while interactive work waits there, these few lines go to the cold lane too.
-        self.hot_loans = hot_loans
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
     @property
-    def cold_capacity(self) -> int:
-        """This dispatcher's share of the cold lane's batch slots (see dispatch_capacity)."""
-        return dispatch_capacity(self.window.size, self.cold_replicas, self.router_replicas)
-
-    @property
     def capacity(self) -> int:
-        """Lines this dispatcher may have in flight now: its cold share plus the hot lane's loans."""
-        return self.cold_capacity + self.hot_loans
+        """Lines this dispatcher may have in flight now: its share of the cold lane's slots (dispatch_capacity)."""
+        return dispatch_capacity(self.window.size, self.cold_replicas, self.router_replicas)
 
     def set_replica_counts(self, cold_replicas: int, router_replicas: int) -> None:
         """The cold lane's and the Router's running replica counts, as the Router last read them."""

@@ -12,7 +12,8 @@ from app.prefix_cache.mirror import IndexChangeLog, IndexMirror
 from app.prefix_cache.request_router import mirror_lookup, sync_mirror_forever
 from app.prefix_cache.shared_state import SharedPrefixState
 from tests.unit.test_config import cpu_args, error_of
-from tests.unit.test_popularity import BLOCK, Clock
+from tests.fakes import FakeClock
+from tests.unit.test_popularity import BLOCK
 
 
 def prompt(seed: int, length: int = 1100) -> list[int]:
@@ -32,7 +33,7 @@ def sync(mirror: IndexMirror, state: SharedPrefixState) -> dict:
 
 
 def test_a_new_mirror_gets_a_snapshot_then_only_the_ops_it_lacks():
-    clock = Clock()
+    clock = FakeClock()
     state = SharedPrefixState(load_app_config(cpu_args()), clock=clock)
     a, b = block_hashes(prompt(1), BLOCK), block_hashes(prompt(2), BLOCK)
     state.apply_update("r1", "hot", a, [], False)
@@ -90,7 +91,7 @@ def test_a_mirror_too_far_behind_or_from_another_instance_gets_a_snapshot():
 
 
 def test_a_stale_mirror_answers_nothing_so_routing_goes_load_only():
-    clock = Clock()
+    clock = FakeClock()
     state = SharedPrefixState(load_app_config(cpu_args()), clock=clock)
     hashes = block_hashes(prompt(5), BLOCK)
     state.apply_update("r1", "hot", hashes, [], False)

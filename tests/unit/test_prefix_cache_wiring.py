@@ -15,7 +15,8 @@ from app.prefix_cache.index import PrefixIndex, block_hashes
 from app.prefix_cache.replica_feed import ReplicaPrefixFeed
 from app.prefix_cache.shared_state import SharedPrefixState
 from tests.unit.test_config import cpu_args, error_of
-from tests.unit.test_popularity import BLOCK, Clock
+from tests.fakes import FakeClock
+from tests.unit.test_popularity import BLOCK
 
 def prompt(seed: int, length: int = 1100) -> list[int]:
     return [(seed * 7919 + i) % 5000 + 3 for i in range(length)]
@@ -52,7 +53,7 @@ def test_observed_prompts_index_blocks_only_for_the_approximate_feed_and_count_f
 
 
 def test_approximate_entries_expire_after_the_ttl_but_exact_ones_never_do():
-    clock = Clock()
+    clock = FakeClock()
     approximate = SharedPrefixState(load_app_config(cpu_args(**{"prefix_cache.feed": "approximate",
                                                                 "prefix_cache.approximate_ttl_s": 60})), clock=clock)
     tokens = prompt(4)
@@ -70,7 +71,7 @@ def test_approximate_entries_expire_after_the_ttl_but_exact_ones_never_do():
 
 
 def test_replicas_that_stop_reporting_are_forgotten_with_their_index_entries():
-    clock = Clock()
+    clock = FakeClock()
     state = SharedPrefixState(load_app_config(cpu_args()), clock=clock, replica_stale_s=15)
     hashes = block_hashes(prompt(5), BLOCK)
     state.apply_update("old", "cold", hashes, [], False)
@@ -87,7 +88,7 @@ def test_replicas_that_stop_reporting_are_forgotten_with_their_index_entries():
 
 
 def test_index_expire_unused_keeps_recently_looked_up_entries():
-    clock = Clock()
+    clock = FakeClock()
     index = PrefixIndex(max_entries=1000, clock=clock)
     a, b = block_hashes(prompt(6), BLOCK), block_hashes(prompt(7), BLOCK)
     index.add("r1", a)
