@@ -15,13 +15,10 @@ from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
+from app.config import BreakerConfig
+
 Clock = Callable[[], float]
 
-DEFAULT_FAILURE_THRESHOLD = 5
-DEFAULT_FAILURE_WINDOW_S = 30.0
-DEFAULT_COOLDOWN_S = 10.0
-DEFAULT_HALF_OPEN_MAX_PROBES = 1
-DEFAULT_SUCCESS_THRESHOLD = 2
 # A half-open breaker whose probe slots are taken tells callers to come back shortly: the probe answers soon.
 HALF_OPEN_BUSY_RETRY_AFTER_S = 1.0
 
@@ -33,26 +30,13 @@ class BreakerState(str, Enum):
 
 
 class CircuitBreaker:
-    def __init__(
-        self,
-        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
-        failure_window_s: float = DEFAULT_FAILURE_WINDOW_S,
-        cooldown_s: float = DEFAULT_COOLDOWN_S,
-        half_open_max_probes: int = DEFAULT_HALF_OPEN_MAX_PROBES,
-        success_threshold: int = DEFAULT_SUCCESS_THRESHOLD,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        if failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
-        if failure_window_s <= 0 or cooldown_s <= 0:
-            raise ValueError("failure_window_s and cooldown_s must be > 0")
-        if half_open_max_probes < 1 or success_threshold < 1:
-            raise ValueError("half_open_max_probes and success_threshold must be >= 1")
-        self.failure_threshold = failure_threshold
-        self.failure_window_s = failure_window_s
-        self.cooldown_s = cooldown_s
-        self.half_open_max_probes = half_open_max_probes
-        self.success_threshold = success_threshold
+    def __init__(self, settings: BreakerConfig, clock: Clock = time.monotonic) -> None:
+        """`settings` is admission.breaker of the schema, which validates every value."""
+        self.failure_threshold = settings.failure_threshold
+        self.failure_window_s = settings.failure_window_s
+        self.cooldown_s = settings.cooldown_s
+        self.half_open_max_probes = settings.half_open_max_probes
+        self.success_threshold = settings.success_threshold
         self._clock = clock
         self._state = BreakerState.CLOSED
         # Times of the current streak of consecutive failures (a success clears it).

@@ -46,21 +46,8 @@ class TrafficControl:
         self.back_pressure = BackPressure({RequestClass.REALTIME: admission.realtime_queue_bound,
                                            RequestClass.INTERACTIVE: admission.interactive_queue_bound,
                                            RequestClass.BATCH: None})
-        breaker = admission.breaker
-        self.breakers = {
-            Lane(name): CircuitBreaker(
-                failure_threshold=breaker.failure_threshold, failure_window_s=breaker.failure_window_s,
-                cooldown_s=breaker.cooldown_s, half_open_max_probes=breaker.half_open_max_probes,
-                success_threshold=breaker.success_threshold, clock=clock)
-            for name in cfg.lane_names
-        }
-        deadlines = admission.deadlines
-        self.deadlines = DeadlinePolicy(
-            floors_s={RequestClass.REALTIME: deadlines.realtime_timeout_floor_s,
-                      RequestClass.INTERACTIVE: deadlines.interactive_timeout_floor_s,
-                      RequestClass.BATCH: deadlines.batch_timeout_floor_s},
-            multiplier=deadlines.p99_multiplier, window=deadlines.window, min_samples=deadlines.min_samples,
-        )
+        self.breakers = {Lane(name): CircuitBreaker(admission.breaker, clock=clock) for name in cfg.lane_names}
+        self.deadlines = DeadlinePolicy(admission.deadlines)
         self.lane_caps = {
             Lane(name): LaneCaps(cfg.model.max_model_len, cfg.lane(name).max_tokens_cap) for name in cfg.lane_names
         }

@@ -9,19 +9,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
 
 from app.classes import RequestClass
+from app.config import DeadlineConfig
 
-DEFAULT_TIMEOUT_FLOORS_S: dict[RequestClass, float] = {
-    RequestClass.REALTIME: 15.0,
-    RequestClass.INTERACTIVE: 60.0,
-    RequestClass.BATCH: 600.0,
-}
-DEFAULT_P99_MULTIPLIER = 3.0
-DEFAULT_WINDOW = 1000
-# A P99 from fewer than 100 samples is the maximum of a handful of requests, not a percentile.
-DEFAULT_MIN_SAMPLES = 100
 
 
 def percentile_nearest_rank(values: list[float], q: float) -> float:
@@ -42,25 +33,15 @@ class DeadlinePolicy:
     ratchet the timeout upward.
     """
 
-    def __init__(
-        self,
-        floors_s: Mapping[RequestClass, float] | None = None,
-        multiplier: float = DEFAULT_P99_MULTIPLIER,
-        window: int = DEFAULT_WINDOW,
-        min_samples: int = DEFAULT_MIN_SAMPLES,
-    ) -> None:
-        floors = dict(DEFAULT_TIMEOUT_FLOORS_S)
-        floors.update(floors_s or {})
-        if any(f <= 0 for f in floors.values()):
-            raise ValueError(f"timeout floors must be > 0, got {floors}")
-        if multiplier < 1:
-            raise ValueError(f"multiplier must be >= 1 (a timeout below P99 cuts healthy requests), got {multiplier}")
-        if window < 1 or not 1 <= min_samples <= window:
-            raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got {window=} {min_samples=}")
-        self.floors_s = floors
-        self.multiplier = multiplier
-        self.min_samples = min_samples
-        self._samples: dict[RequestClass, deque[float]] = {c: deque(maxlen=window) for c in RequestClass}
+    def __init__(self, settings: DeadlineConfig) -> None:
+        """`settings` is admission.deadlines of the schema, which validates every value (a P99 from fewer than
+        min_samples samples is the maximum of a handful of requests, not a percentile)."""
+        self.floors_s = {RequestClass.REALTIME: settings.realtime_timeout_floor_s,
+                         RequestClass.INTERACTIVE: settings.interactive_timeout_floor_s,
+                         RequestClass.BATCH: settings.batch_timeout_floor_s}
+        self.multiplier = settings.p99_multiplier
+        self.min_samples = settings.min_samples
+        self._samples: dict[RequestClass, deque[float]] = {c: deque(maxlen=settings.window) for c in RequestClass}
         # P99 is recomputed lazily, once per change, not once per request.
         self._p99_cache: dict[RequestClass, float | None] = {}
 

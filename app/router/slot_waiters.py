@@ -11,11 +11,11 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-DEFAULT_RECHECK_S = 0.25
+RECHECK_S = 0.25
 
 
 class SlotWaiters:
-    def __init__(self, recheck_s: float = DEFAULT_RECHECK_S):
+    def __init__(self, recheck_s: float = RECHECK_S):
         if recheck_s <= 0:
             raise ValueError(f"recheck_s={recheck_s} must be > 0")
         self.recheck_s = recheck_s

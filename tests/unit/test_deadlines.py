@@ -1,7 +1,16 @@
 import pytest
 
 from app.classes import RequestClass
-from app.router.deadlines import DEFAULT_TIMEOUT_FLOORS_S, DeadlinePolicy, percentile_nearest_rank
+from app.config import DeadlineConfig
+from app.router.deadlines import DeadlinePolicy, percentile_nearest_rank
+
+FLOOR_FIELD = {RequestClass.REALTIME: "realtime_timeout_floor_s", RequestClass.INTERACTIVE: "interactive_timeout_floor_s",
+               RequestClass.BATCH: "batch_timeout_floor_s"}
+
+
+def policy_with(floors_s=None, **settings) -> DeadlinePolicy:
+    floors = {FLOOR_FIELD[cls]: floor for cls, floor in (floors_s or {}).items()}
+    return DeadlinePolicy(DeadlineConfig(**floors, **settings))
 
 RT, IA, BA = RequestClass.REALTIME, RequestClass.INTERACTIVE, RequestClass.BATCH
 
@@ -20,7 +29,7 @@ def test_percentile_nearest_rank():
 
 
 def test_floor_until_enough_samples():
-    policy = DeadlinePolicy(floors_s={IA: 2.0}, min_samples=10, window=100)
+    policy = policy_with(floors_s={IA: 2.0}, min_samples=10, window=100)
     for _ in range(9):
         policy.record(IA, 5.0)
     assert policy.p99_s(IA) is None
@@ -31,14 +40,14 @@ def test_floor_until_enough_samples():
 
 
 def test_floor_wins_when_three_p99_is_smaller():
-    policy = DeadlinePolicy(floors_s={RT: 10.0}, min_samples=5, window=50)
+    policy = policy_with(floors_s={RT: 10.0}, min_samples=5, window=50)
     for _ in range(50):
         policy.record(RT, 0.4)
     assert policy.timeout_s(RT) == 10.0
 
 
 def test_p99_tracks_the_tail_and_classes_are_separate():
-    policy = DeadlinePolicy(floors_s={IA: 1.0, BA: 1.0}, min_samples=100, window=1000)
+    policy = policy_with(floors_s={IA: 1.0, BA: 1.0}, min_samples=100, window=1000)
     for i in range(1000):
         policy.record(IA, 10.0 if i % 100 == 99 else 1.0)  # 1 % slow requests
     for _ in range(100):
@@ -52,7 +61,7 @@ def test_p99_tracks_the_tail_and_classes_are_separate():
 
 
 def test_window_forgets_old_samples():
-    policy = DeadlinePolicy(floors_s={IA: 1.0}, min_samples=3, window=5)
+    policy = policy_with(floors_s={IA: 1.0}, min_samples=3, window=5)
     for _ in range(5):
         policy.record(IA, 100.0)
     assert policy.timeout_s(IA) == 300.0
@@ -62,15 +71,9 @@ def test_window_forgets_old_samples():
     assert policy.timeout_s(IA) == 6.0
 
 
-def test_defaults_and_validation():
-    policy = DeadlinePolicy()
+def test_the_schemas_floors_apply_until_enough_samples_and_bad_samples_are_refused():
+    policy = DeadlinePolicy(DeadlineConfig())
     for cls in RequestClass:
-        assert policy.timeout_s(cls) == DEFAULT_TIMEOUT_FLOORS_S[cls]
-    with pytest.raises(ValueError):
-        DeadlinePolicy(multiplier=0.5)
-    with pytest.raises(ValueError):
-        DeadlinePolicy(floors_s={IA: 0})
-    with pytest.raises(ValueError):
-        DeadlinePolicy(window=10, min_samples=11)
+        assert policy.timeout_s(cls) == DeadlineConfig.model_fields[FLOOR_FIELD[cls]].default
     with pytest.raises(ValueError):
         policy.record(IA, -1.0)
