@@ -4,14 +4,19 @@ interactive work (it is not left idle while requests wait for it, nor handed far
 interactive requests keep their TTFT within the config's `admission.interactive_ttft_slo_s`, the rest are refused
 early with 429 and a usable Retry-After, flex work completes meanwhile, and nothing answers 5xx.
 
-The load and its figures come from load_tests/overload.py (the same phases and aggregation as the benchmark, shorter
-and in this process); refused streams wait the Retry-After before their next request.
+The module runs on an app of its own: local.yaml's admission settings (its interactive_ttft_slo_s, not the shared
+test app's), on a hot engine small enough to overload with a few dozen streams on 2 cores yet larger than
+realtime_max_inflight, so interactive requests have hot slots of their own. The load and its figures come from
+load_tests/overload.py (the benchmark's phases and aggregation, shorter and in this process); refused streams wait
+the Retry-After before their next request.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import pytest
 import yaml
 
 from load_tests.overload import (
@@ -25,6 +30,13 @@ from load_tests.overload import (
     summarize_class,
     summarize_samples,
 )
+from tests.integration.conftest import TEST_MAX_NUM_SEQS, local_test_document, write_serve_config
+
+APP = "overload"
+pytestmark = pytest.mark.app(APP)
+
+HOT_MAX_NUM_SEQS = 4
+REALTIME_MAX_INFLIGHT = 2  # hot slots left to interactive work: 4 - 2
 
 LOAD_MULTIPLE = 5  # interactive streams per sequence the hot engines run at once
 FLEX_STREAMS = 2
@@ -39,13 +51,28 @@ REQUEST_TIMEOUT_S = 60.0
 RETRY_AFTER_RANGE_S = (1.0, 60.0)
 
 
-def served_args(app_process) -> dict:
-    document = yaml.safe_load(app_process.config.read_text())
+def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
+    document, args = local_test_document(tiny_model)
+    args["hot_lane"]["engine"]["max_num_seqs"] = HOT_MAX_NUM_SEQS
+    args["cold_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
+    args["admission"]["realtime_max_inflight"] = REALTIME_MAX_INFLIGHT
+    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
+    return write_serve_config(tmp_dir / "overload.yaml", document)
+
+
+@pytest.fixture(scope="module")
+def overload_app(apps):
+    return apps.use(APP, _write_config)
+
+
+def served_args(app) -> dict:
+    document = yaml.safe_load(app.config.read_text())
     return document["applications"][0]["args"]
 
 
-async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(app_process, app_url, served_model):
-    limits = limits_from_args(served_args(app_process))
+async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(overload_app, served_model):
+    app_url = overload_app.url
+    limits = limits_from_args(served_args(overload_app))
     capacity = limits.hot_capacity
     slo_s = limits.interactive_ttft_slo_s
     interactive_streams = LOAD_MULTIPLE * capacity
