@@ -12,16 +12,24 @@ from collections.abc import Iterator, Mapping, Sequence
 import pytest
 
 from app.observability.metrics import E2E_BUCKETS_S, QUEUE_WAIT_BUCKETS_S, TTFT_BUCKETS_S
-from app.tools import doctor
-from app.tools.doctor import (
-    OK,
-    PROBLEM,
-    WARN,
-    DoctorInputs,
-    Histogram,
-    LaneLimits,
-    MetricsSnapshot,
-    ReplicaStats,
+from app.tools.doctor.checks import exit_code
+from app.tools.doctor.checks_long_tail import (
+    check_latency_tails, check_realtime_reserve, check_slowest_traces, check_tail_breakdown, check_ttft_hops,
+    profiling_guidance, summarize_traces,
+)
+from app.tools.doctor.checks_oom import (
+    check_batched_tokens, check_kv_pressure, check_long_context_degrades, check_prompt_lengths,
+)
+from app.tools.doctor.checks_throughput import (
+    check_admission_queue, check_batch_backlog, check_breakers, check_replica_scheduler, check_request_outcomes,
+    check_routing_balance,
+)
+from app.tools.doctor.cli import main
+from app.tools.doctor.inputs import (
+    batch_backlog_from_metrics, gather_inputs, merge_metric_replicas, parse_stats, read_span_lines,
+)
+from app.tools.doctor.model import (
+    FLOW_OOM, OK, PROBLEM, WARN, DoctorInputs, Finding, Histogram, LaneLimits, MetricsSnapshot, ReplicaStats,
 )
 
 # ---- realistic exposition text ------------------------------------------------------------------------------------
@@ -109,7 +117,7 @@ def inputs_with(metrics: Exposition | None = None, replicas: list[ReplicaStats] 
                         metrics=metrics.snapshot() if metrics is not None else None, **kw)
 
 
-def only(findings: list[doctor.Finding], subject: str | None = None) -> doctor.Finding:
+def only(findings: list[Finding], subject: str | None = None) -> Finding:
     chosen = [f for f in findings if subject is None or f.subject == subject]
     assert len(chosen) == 1, chosen
     return chosen[0]
@@ -180,12 +188,12 @@ def test_snapshot_parses_ray_exposition_and_subtracts_cumulative_series_over_a_w
 
 
 def test_parse_stats_reads_replicas_and_ignores_unknown_fields():
-    parsed = doctor.parse_stats(STATS_DOCUMENT)
+    parsed = parse_stats(STATS_DOCUMENT)
     assert [(r.lane, r.replica_id, r.running, r.kv_cache_usage, r.kv_capacity_tokens) for r in parsed.replicas] == [
         ("hot", HOT, 0, 0.0, 131072), ("cold", COLD, 2, 0.25, 131072)]
     assert parsed.breakers == {"hot": "closed", "cold": "closed"}
     assert parsed.batch_backlog_lines is None and parsed.notes == [] and parsed.lanes_present == ("hot", "cold")
-    assert doctor.parse_stats({"lanes": STATS_DOCUMENT["lanes"]}).breakers == {}  # before the router section
+    assert parse_stats({"lanes": STATS_DOCUMENT["lanes"]}).breakers == {}  # before the router section
 
 
 def test_parse_stats_reads_the_router_section():
@@ -197,7 +205,7 @@ def test_parse_stats_reads_the_router_section():
         "router": {"breakers": {"hot": "closed", "cold": "open"},
                    "queued_by_class": {"realtime": 0, "interactive": 7, "batch": 0}, "batch_window": 24},
     }
-    parsed = doctor.parse_stats(document)
+    parsed = parse_stats(document)
     assert parsed.breakers == {"hot": "closed", "cold": "open"}
     assert parsed.admission_queued == {"realtime": 0, "interactive": 7, "batch": 0}
     assert parsed.batch_window == 24
@@ -209,15 +217,15 @@ def test_the_realtime_reserve_finding():
     document = {**STATS_DOCUMENT, "router": {**STATS_DOCUMENT["router"], "replica_routing": {
         "HotLane": {"reasons": {"short_prompt": 12}, "reserve_routing": {"preferred": 10, "fallback": 2}},
         "ColdLane": {"reasons": {"no_match": 3}}}}}
-    parsed = doctor.parse_stats(document)
+    parsed = parse_stats(document)
     assert parsed.reserve_routing == {"preferred": 10, "fallback": 2}
-    crossed = only(doctor.check_realtime_reserve(inputs_with(reserve_routing=parsed.reserve_routing)))
-    assert crossed.severity == doctor.WARN
+    crossed = only(check_realtime_reserve(inputs_with(reserve_routing=parsed.reserve_routing)))
+    assert crossed.severity == WARN
     assert crossed.summary == "2 of 12 hot-lane routings crossed the realtime reserve"
     assert "realtime_reserved_hot_replicas" in crossed.action
-    held = only(doctor.check_realtime_reserve(inputs_with(reserve_routing={"preferred": 155})))
-    assert held.severity == doctor.OK and held.summary == "realtime reserve held"
-    assert doctor.check_realtime_reserve(inputs_with()) == []  # no reserve, no finding
+    held = only(check_realtime_reserve(inputs_with(reserve_routing={"preferred": 155})))
+    assert held.severity == OK and held.summary == "realtime reserve held"
+    assert check_realtime_reserve(inputs_with()) == []  # no reserve, no finding
 
 
 def test_parse_stats_tolerates_errors_future_shapes_and_missing_lanes():
@@ -230,12 +238,12 @@ def test_parse_stats_tolerates_errors_future_shapes_and_missing_lanes():
         "breakers": {"cold": "open"},
         "batch_backlog": {"lines": 120, "tokens": 50000},
     }
-    parsed = doctor.parse_stats(document)
+    parsed = parse_stats(document)
     assert parsed.replicas[0].max_num_seqs == 64 and parsed.replicas[0].lane == "hot"
     assert parsed.replicas[1].error == "RayServeException: timed out" and parsed.replicas[1].lane == "cold"
     assert parsed.breakers == {"hot": "half_open", "cold": "open"}
     assert parsed.batch_backlog_lines == 120
-    assert doctor.parse_stats({"prefix_cache": {}}).notes == [
+    assert parse_stats({"prefix_cache": {}}).notes == [
         "stats document has no `lanes`: engine stats not checked"]
 
 
@@ -249,7 +257,7 @@ def test_metric_replicas_are_merged_with_lane_from_our_kv_gauge():
                .gauge("ray_vllm_num_requests_waiting_by_reason", {**vllm(HOT), "reason": "capacity"}, 2)
                .gauge("ray_llm_lanes_kv_cache_usage",
                       {"application": "llm-lanes", "deployment": "HotLane", "replica": HOT2, "lane": "hot"}, 0.1))
-    merged = doctor.merge_metric_replicas(
+    merged = merge_metric_replicas(
         [replica("hot", HOT, running=4, waiting=2, kv_cache_usage=0.5)], metrics.snapshot())
     by_id = {r.replica_id: r for r in merged}
     assert by_id[HOT].preemptions == 12 and by_id[HOT].waiting_by_reason == {"capacity": 2}
@@ -267,21 +275,21 @@ def prompts(replica_id: str, observations: Sequence[float]) -> Exposition:
 
 
 def test_prompt_lengths_ok_for_ordinary_traffic():
-    finding = only(doctor.check_prompt_lengths(inputs_with(prompts(HOT, [300] * 100), max_model_len=32768)))
+    finding = only(check_prompt_lengths(inputs_with(prompts(HOT, [300] * 100), max_model_len=32768)))
     assert finding.severity == OK and finding.subject == "hot"
     assert "p99 in (200, 500]" in finding.evidence and "max_model_len 32,768" in finding.evidence
 
 
 def test_prompt_lengths_warn_on_a_tail_far_above_the_median():
     observations = [150] * 95 + [3000] * 5
-    finding = only(doctor.check_prompt_lengths(inputs_with(prompts(COLD, observations), max_model_len=32768)))
+    finding = only(check_prompt_lengths(inputs_with(prompts(COLD, observations), max_model_len=32768)))
     assert finding.severity == WARN and "abnormally long contexts" in finding.summary
     assert finding.data["p99_over_p50_at_least"] == pytest.approx(2000 / 200)
 
 
 def test_prompt_lengths_warn_near_max_model_len():
     observations = [500] * 98 + [2040] * 2
-    finding = only(doctor.check_prompt_lengths(
+    finding = only(check_prompt_lengths(
         inputs_with(Exposition().histogram("ray_vllm_request_prompt_tokens", vllm(COLD), one_two_five(2048),
                                            observations), max_model_len=2048)))
     assert finding.severity == WARN and "at least 2 prompts within 10% of max_model_len" in finding.summary
@@ -289,13 +297,13 @@ def test_prompt_lengths_warn_near_max_model_len():
 
 def test_prompt_lengths_problem_when_long_prompts_ran_on_the_hot_lane():
     observations = [400] * 97 + [15000] * 3
-    findings = doctor.check_prompt_lengths(inputs_with(prompts(HOT, observations), max_model_len=32768))
+    findings = check_prompt_lengths(inputs_with(prompts(HOT, observations), max_model_len=32768))
     finding = only(findings)
     assert finding.severity == PROBLEM and "3 prompts above 8,192 tokens ran on the hot lane" in finding.summary
     assert "long_context_threshold" in finding.action
     # A single-pool deployment (no cold lane) has nowhere to degrade to: not a PROBLEM there.
     single_pool = inputs_with(prompts(HOT, observations), max_model_len=32768, lanes_present=("hot",))
-    assert only(doctor.check_prompt_lengths(single_pool)).severity != PROBLEM
+    assert only(check_prompt_lengths(single_pool)).severity != PROBLEM
 
 
 def test_long_context_degrade_counts():
@@ -308,9 +316,9 @@ def test_long_context_degrade_counts():
                 .counter("ray_llm_lanes_requests_total",
                          {**serve_labels("hot", "interactive"), "outcome": "success", "status": "200"}, 1000))
 
-    rare = only(doctor.check_long_context_degrades(inputs_with(metrics(5))))
+    rare = only(check_long_context_degrades(inputs_with(metrics(5))))
     assert rare.severity == OK and "5 long-context degrades" in rare.evidence and "(0%)" in rare.evidence
-    common = only(doctor.check_long_context_degrades(inputs_with(metrics(150))))
+    common = only(check_long_context_degrades(inputs_with(metrics(150))))
     assert common.severity == WARN and common.data["share"] == pytest.approx(0.15)
 
 
@@ -318,11 +326,11 @@ def test_batched_tokens_vs_the_longest_prompts():
     observations = [300] * 90 + [12000] * 10  # p99 in (10000, 20000]
     limits = {"hot": LaneLimits(max_num_seqs=64, max_num_batched_tokens=4096),
               "cold": LaneLimits(max_num_seqs=64, max_num_batched_tokens=16384)}
-    hot = only(doctor.check_batched_tokens(inputs_with(prompts(HOT, observations), lane_limits=limits)))
+    hot = only(check_batched_tokens(inputs_with(prompts(HOT, observations), lane_limits=limits)))
     assert hot.severity == WARN and "at least 3 prefill steps of 4,096 tokens" in hot.summary
-    cold = only(doctor.check_batched_tokens(inputs_with(prompts(COLD, [300] * 100), lane_limits=limits)))
+    cold = only(check_batched_tokens(inputs_with(prompts(COLD, [300] * 100), lane_limits=limits)))
     assert cold.severity == OK and "max_num_batched_tokens 16,384" in cold.evidence
-    assert doctor.check_batched_tokens(inputs_with(prompts(HOT, observations))) == []  # limits unknown
+    assert check_batched_tokens(inputs_with(prompts(HOT, observations))) == []  # limits unknown
 
 
 def test_kv_pressure_findings():
@@ -333,7 +341,7 @@ def test_kv_pressure_findings():
         replica("cold", "c2", running=1, waiting=0, kv_cache_usage=0.2, preemptions=0),
         replica("cold", "c3", error="timed out"),
     ]
-    findings = {f.subject: f for f in doctor.check_kv_pressure(inputs_with(replicas=replicas))}
+    findings = {f.subject: f for f in check_kv_pressure(inputs_with(replicas=replicas))}
     assert findings[f"hot {HOT}"].severity == PROBLEM and "98% in use" in findings[f"hot {HOT}"].evidence
     assert "12 preemptions" in findings[f"hot {HOT}"].evidence
     assert findings[f"hot {HOT2}"].severity == WARN and "95%" in findings[f"hot {HOT2}"].summary
@@ -353,7 +361,7 @@ def test_scheduler_findings_name_what_starves_it():
         replica("hot", "gone", error="ActorDiedError"),
     ]
     limits = {"hot": LaneLimits(64, 8192), "cold": LaneLimits(128, 8192)}
-    findings = {f.subject: f for f in doctor.check_replica_scheduler(inputs_with(replicas=replicas,
+    findings = {f.subject: f for f in check_replica_scheduler(inputs_with(replicas=replicas,
                                                                                  lane_limits=limits))}
     assert findings["hot kv"].severity == PROBLEM and "full KV cache" in findings["hot kv"].summary
     assert findings["hot seqs"].severity == PROBLEM and "max_num_seqs" in findings["hot seqs"].summary
@@ -364,7 +372,7 @@ def test_scheduler_findings_name_what_starves_it():
 
 
 def test_scheduler_without_limits_suspects_max_num_seqs():
-    finding = only(doctor.check_replica_scheduler(
+    finding = only(check_replica_scheduler(
         inputs_with(replicas=[replica("hot", HOT, running=32, waiting=8, kv_cache_usage=0.3)])))
     assert finding.severity == WARN and "--serve-config" in finding.action
 
@@ -372,7 +380,7 @@ def test_scheduler_without_limits_suspects_max_num_seqs():
 def test_requests_held_at_the_realtime_gate():
     held = replica("hot", HOT, running=4, waiting=0, kv_cache_usage=0.2,
                    gate_waiting_by_class={"realtime": 3, "interactive": 0})
-    finding = only(doctor.check_replica_scheduler(inputs_with(replicas=[held])))
+    finding = only(check_replica_scheduler(inputs_with(replicas=[held])))
     assert finding.severity == WARN and "realtime gate" in finding.summary
     assert "held by the replica's gate: realtime 3" in finding.evidence
     assert "realtime_max_inflight" in finding.action
@@ -380,25 +388,25 @@ def test_requests_held_at_the_realtime_gate():
 
 def test_admission_queue():
     busy = [replica("hot", HOT, running=30, waiting=2), replica("cold", COLD, running=0, waiting=0)]
-    findings = {f.subject: f for f in doctor.check_admission_queue(
+    findings = {f.subject: f for f in check_admission_queue(
         inputs_with(replicas=busy, admission_queued={"realtime": 2, "interactive": 5, "batch": 4}))}
     assert findings["hot"].severity == WARN and "interactive 5, realtime 2" in findings["hot"].evidence
     assert findings["cold"].severity == PROBLEM and "engines idle" in findings["cold"].summary
-    empty = only(doctor.check_admission_queue(inputs_with(admission_queued={"realtime": 0, "interactive": 0})))
+    empty = only(check_admission_queue(inputs_with(admission_queued={"realtime": 0, "interactive": 0})))
     assert empty.severity == OK
-    assert doctor.check_admission_queue(inputs_with()) == []  # the stats document has no router section
+    assert check_admission_queue(inputs_with()) == []  # the stats document has no router section
 
 
 def test_routing_balance():
     idle_next_to_waiting = [replica("hot", "a", running=0, waiting=0), replica("hot", "b", running=4, waiting=3)]
-    finding = only(doctor.check_routing_balance(inputs_with(replicas=idle_next_to_waiting)))
+    finding = only(check_routing_balance(inputs_with(replicas=idle_next_to_waiting)))
     assert finding.severity == WARN and "a is idle while b has 7 requests" in finding.summary
     lopsided = [replica("cold", "a", running=1, waiting=0), replica("cold", "b", running=20, waiting=0)]
-    assert only(doctor.check_routing_balance(inputs_with(replicas=lopsided))).severity == WARN
+    assert only(check_routing_balance(inputs_with(replicas=lopsided))).severity == WARN
     even = [replica("cold", "a", running=10, waiting=1), replica("cold", "b", running=12, waiting=0)]
-    assert only(doctor.check_routing_balance(inputs_with(replicas=even))).severity == OK
+    assert only(check_routing_balance(inputs_with(replicas=even))).severity == OK
     single = inputs_with(replicas=[replica("hot", "a", running=1, waiting=0)])
-    assert doctor.check_routing_balance(single) == []
+    assert check_routing_balance(single) == []
     assert single.notes == ["routing balance of the hot lane not checked: 1 replica visible"]
 
 
@@ -418,27 +426,27 @@ def requests_metric(lane: str, outcomes: Mapping[str, int]) -> Exposition:
     ({"success": 995, "cancelled": 5}, OK, "errors and rejections are rare"),
 ])
 def test_request_outcomes(outcomes, severity, words):
-    finding = only(doctor.check_request_outcomes(inputs_with(requests_metric("hot", outcomes))))
+    finding = only(check_request_outcomes(inputs_with(requests_metric("hot", outcomes))))
     assert finding.severity == severity and words in finding.summary
 
 
 def test_batch_backlog_with_an_idle_cold_lane():
     idle = [replica("cold", COLD, running=0, waiting=0)]
-    stuck = only(doctor.check_batch_backlog(inputs_with(replicas=idle, batch_backlog_lines=500, batch_window=16)))
+    stuck = only(check_batch_backlog(inputs_with(replicas=idle, batch_backlog_lines=500, batch_window=16)))
     assert stuck.severity == PROBLEM and "500 batch lines" in stuck.evidence and "window 16" in stuck.evidence
     busy = [replica("cold", COLD, running=24, waiting=3)]
-    assert only(doctor.check_batch_backlog(inputs_with(replicas=busy, batch_backlog_lines=500))).severity == OK
-    assert doctor.check_batch_backlog(inputs_with(replicas=idle)) == []  # backlog not reported
+    assert only(check_batch_backlog(inputs_with(replicas=busy, batch_backlog_lines=500))).severity == OK
+    assert check_batch_backlog(inputs_with(replicas=idle)) == []  # backlog not reported
     metrics = Exposition().gauge("ray_llm_lanes_batch_backlog_lines", {"replica": "r1"}, 40).gauge(
         "ray_llm_lanes_batch_backlog_lines", {"replica": "r2"}, 41)
-    assert doctor.batch_backlog_from_metrics(metrics.snapshot()) == 41  # max over Router replicas, not the sum
+    assert batch_backlog_from_metrics(metrics.snapshot()) == 41  # max over Router replicas, not the sum
 
 
 def test_breakers():
-    findings = {f.subject: f.severity for f in doctor.check_breakers(
+    findings = {f.subject: f.severity for f in check_breakers(
         inputs_with(breakers={"hot": "open", "cold": "half-open", "x": "closed"}))}
     assert findings == {"hot": PROBLEM, "cold": WARN, "lanes": OK}
-    closed = only(doctor.check_breakers(inputs_with(breakers={"hot": "closed", "cold": "closed"})))
+    closed = only(check_breakers(inputs_with(breakers={"hot": "closed", "cold": "closed"})))
     assert closed.severity == OK and closed.evidence == "cold closed, hot closed"
 
 
@@ -454,14 +462,14 @@ def latencies(lane: str, request_class: str, ttft: Sequence[float], e2e: Sequenc
 
 
 def test_latency_tail_ok():
-    finding = only(doctor.check_latency_tails(inputs_with(latencies("hot", "interactive", [0.08] * 100,
+    finding = only(check_latency_tails(inputs_with(latencies("hot", "interactive", [0.08] * 100,
                                                                      [1.5] * 100))))
     assert finding.severity == OK and finding.subject == "hot/interactive"
     assert "TTFT p50" in finding.evidence and "E2E p50" in finding.evidence
 
 
 def test_realtime_ttft_above_the_goal_is_a_problem():
-    finding = only(doctor.check_latency_tails(inputs_with(latencies("hot", "realtime", [0.2] * 90 + [0.7] * 10))))
+    finding = only(check_latency_tails(inputs_with(latencies("hot", "realtime", [0.2] * 90 + [0.7] * 10))))
     assert finding.severity == PROBLEM and "above the 450 ms goal" in finding.summary
     assert finding.data["ttft_p99_s"] == pytest.approx(0.6 + 0.2 * (99 - 90) / 10)
 
@@ -469,19 +477,19 @@ def test_realtime_ttft_above_the_goal_is_a_problem():
 @pytest.mark.parametrize(("slow", "severity"), [(0.7, WARN), (4.0, PROBLEM)])
 def test_ttft_tail_ratio(slow, severity):
     ttft = [0.09] * 95 + [slow] * 5
-    finding = only(doctor.check_latency_tails(inputs_with(latencies("cold", "batch", ttft))))
+    finding = only(check_latency_tails(inputs_with(latencies("cold", "batch", ttft))))
     assert finding.severity == severity and "TTFT p99 is" in finding.summary
 
 
 def test_e2e_tail_alone_is_a_warning():
-    finding = only(doctor.check_latency_tails(inputs_with(latencies("cold", "batch", [0.1] * 100,
+    finding = only(check_latency_tails(inputs_with(latencies("cold", "batch", [0.1] * 100,
                                                                      [1.0] * 95 + [50.0] * 5))))
     assert finding.severity == WARN and "E2E p99 is" in finding.summary
 
 
 def test_too_few_samples_are_noted_not_judged():
     inputs = inputs_with(latencies("hot", "realtime", [2.0] * 5))
-    assert doctor.check_latency_tails(inputs) == []
+    assert check_latency_tails(inputs) == []
     assert inputs.notes == ["tail of hot/realtime not judged: 5 requests (< 20)"]
 
 
@@ -494,7 +502,7 @@ def test_tail_breakdown_names_the_dominant_phase():
                .histogram("ray_llm_lanes_queue_wait_seconds",
                           {"application": "llm-lanes", "deployment": "Router", "replica": "r",
                            "request_class": "interactive"}, QUEUE_WAIT_BUCKETS_S, [0.001] * 100))
-    finding = only(doctor.check_tail_breakdown(inputs_with(metrics)))
+    finding = only(check_tail_breakdown(inputs_with(metrics)))
     assert finding.subject == "hot" and finding.data["dominant"] == "engine queue"
     assert "max_num_seqs or KV cache" in finding.action
     assert set(finding.data["p99_s"]) == {"engine queue", "prefill", "decode", "admission queue"}
@@ -519,11 +527,11 @@ def trace(trace_id: str, total_ms: float, prefill_ms: float) -> list[dict]:
 
 def test_slowest_traces_flag_an_outlier_and_name_its_phase():
     spans = [s for i in range(9) for s in trace(f"t{i}", 200, 20)] + trace("slow", 3000, 2800)
-    summaries = doctor.summarize_traces(spans)
+    summaries = summarize_traces(spans)
     assert summaries[0].trace_id == "slow" and summaries[0].duration_s == pytest.approx(3.0)
     assert summaries[0].lane == "hot" and summaries[0].request_class == "interactive"
     assert summaries[0].dominant_phase == "prefill"
-    finding = only(doctor.check_slowest_traces(inputs_with(spans=spans, slowest_traces=3)))
+    finding = only(check_slowest_traces(inputs_with(spans=spans, slowest_traces=3)))
     assert finding.severity == WARN and "15x the median" in finding.summary
     assert "slow 3.00 s [hot/interactive] prefill 2.80 s" in finding.evidence
     assert "prefill dominates" in finding.action and len(finding.data["slowest"]) == 3
@@ -531,26 +539,26 @@ def test_slowest_traces_flag_an_outlier_and_name_its_phase():
 
 def test_slowest_traces_ok_without_outliers():
     spans = [s for i in range(5) for s in trace(f"t{i}", 200 + i, 20)]
-    assert only(doctor.check_slowest_traces(inputs_with(spans=spans))).severity == OK
-    assert doctor.check_slowest_traces(inputs_with()) == []  # no trace file
+    assert only(check_slowest_traces(inputs_with(spans=spans))).severity == OK
+    assert check_slowest_traces(inputs_with()) == []  # no trace file
 
 
 def test_span_file_lines_skip_torn_writes():
     good = json.dumps(trace("t", 100, 10)[0])
-    assert doctor.read_span_lines(f"{good}\n{{\"name\": \"torn\n\n[1, 2]\n{good}\n") == [json.loads(good)] * 2
+    assert read_span_lines(f"{good}\n{{\"name\": \"torn\n\n[1, 2]\n{good}\n") == [json.loads(good)] * 2
 
 
 def test_profiling_guidance_spells_out_nsys():
-    text = "\n".join(doctor.profiling_guidance("serve_configs/prod.yaml"))
+    text = "\n".join(profiling_guidance("serve_configs/prod.yaml"))
     assert ("nsys profile -t cuda,nvtx --trace-fork-before-exec=true --stats=true -o /tmp/llm-lanes-profile "
             "--force-overwrite=true python -m ray.serve.scripts run serve_configs/prod.yaml") in text
     assert "ray_workers_use_nsight" in text
 
 
 def test_exit_code_is_one_only_with_a_problem():
-    finding = doctor.Finding(doctor.FLOW_OOM, "c", "s", WARN, "x", "y")
-    assert doctor.exit_code([finding]) == 0
-    assert doctor.exit_code([finding, doctor.Finding(doctor.FLOW_OOM, "c", "s", PROBLEM, "x", "y")]) == 1
+    finding = Finding(FLOW_OOM, "c", "s", WARN, "x", "y")
+    assert exit_code([finding]) == 0
+    assert exit_code([finding, Finding(FLOW_OOM, "c", "s", PROBLEM, "x", "y")]) == 1
 
 
 # ---- the CLI against a fake app -------------------------------------------------------------------------------------
@@ -626,7 +634,7 @@ def fake_app() -> Iterator[FakeApp]:
 
 
 def test_cli_json_against_a_fake_app(fake_app, capsys, tmp_path):
-    code = doctor.main(["--url", fake_app.url, "--metrics-url", fake_app.url + "/metrics", "--json",
+    code = main(["--url", fake_app.url, "--metrics-url", fake_app.url + "/metrics", "--json",
                         "--trace-file", str(tmp_path / "absent.jsonl")])
     report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["exit_code"] == 1
@@ -662,7 +670,7 @@ applications:
 def test_cli_text_output_with_serve_config(fake_app, capsys, tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text(SERVE_CONFIG)
-    code = doctor.main(["--url", fake_app.url, "--metrics-url", fake_app.url + "/metrics",
+    code = main(["--url", fake_app.url, "--metrics-url", fake_app.url + "/metrics",
                         "--serve-config", str(config)])
     out = capsys.readouterr().out
     assert code == 1
@@ -678,7 +686,7 @@ def test_cli_text_output_with_serve_config(fake_app, capsys, tmp_path):
 
 def test_cli_exit_zero_when_healthy_and_without_metrics(capsys):
     with FakeApp(STATS_DOCUMENT, "") as app:
-        code = doctor.main(["--url", app.url, "--metrics-url", ""])
+        code = main(["--url", app.url, "--metrics-url", ""])
     out = capsys.readouterr().out
     assert code == 0 and "no --metrics-url" in out and "OK       engine stats [all]" in out
 
@@ -686,7 +694,7 @@ def test_cli_exit_zero_when_healthy_and_without_metrics(capsys):
 def test_cli_unreachable_app_is_a_clean_error(capsys):
     with FakeApp(STATS_DOCUMENT, "") as app:
         url = app.url
-    code = doctor.main(["--url", url])
+    code = main(["--url", url])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert captured.err.startswith(f"doctor: the app at {url} is not reachable: cannot connect to {url}/v1/admin/stats")
@@ -697,7 +705,7 @@ def test_cli_bad_serve_config_is_a_clean_error(fake_app, capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("applications:\n  - name: x\n    args:\n      model: {source: m, served_name: m}\n"
                    "      hot_lane: {engine: {block_size: 48}}\n")
-    code = doctor.main(["--url", fake_app.url, "--serve-config", str(bad)])
+    code = main(["--url", fake_app.url, "--serve-config", str(bad)])
     err = capsys.readouterr().err
     assert code == 2 and "cannot read --serve-config" in err and "block_size" in err
 
@@ -707,10 +715,10 @@ def test_window_mode_judges_only_what_happened_between_scrapes():
     after = requests_metric("hot", {"success": 1100, "error": 100}).text()
     with FakeApp(STATS_DOCUMENT, [before, after]) as app:
         slept = []
-        inputs = doctor.gather_inputs(app.url, app.url + "/metrics", window_s=30, sleep=slept.append)
+        inputs = gather_inputs(app.url, app.url + "/metrics", window_s=30, sleep=slept.append)
         assert app.scrapes == 2
     assert slept == [30]
-    finding = only(doctor.check_request_outcomes(inputs))
+    finding = only(check_request_outcomes(inputs))
     # Cumulative: 100 errors of 1,200 (8 %, PROBLEM); in the window: 0 of 100.
     assert finding.severity == OK and "100 requests in the last 30 s" in finding.evidence
 
@@ -722,12 +730,12 @@ def test_ttft_hops_name_the_engine_when_it_is_most_of_the_ttft():
     from tests.unit.test_ttft_breakdown import streamed_request
 
     spans = streamed_request("a", "realtime") + streamed_request("b", "realtime", t0=1000)
-    finding = only(doctor.check_ttft_hops(inputs_with(spans=spans)))
+    finding = only(check_ttft_hops(inputs_with(spans=spans)))
     assert (finding.check, finding.subject, finding.severity) == ("TTFT by hop", "realtime", OK)
     assert "engine_first_token is the largest part of the median TTFT (29.5 of 40.0 ms)" == finding.summary
     assert "2 streamed requests" in finding.evidence and "hop_to_lane 5.0" in finding.evidence
     assert "cuda_graph_max_tokens" in finding.action
-    assert doctor.check_ttft_hops(inputs_with()) == []  # no trace file
+    assert check_ttft_hops(inputs_with()) == []  # no trace file
 
 
 def test_ttft_hops_warn_when_the_request_path_is_most_of_it():
@@ -737,7 +745,7 @@ def test_ttft_hops_warn_when_the_request_path_is_most_of_it():
     for span in spans:
         if span["name"] == "prefill":
             span["end_time_ns"] = 10 * MS  # the engine answers in 2.5 ms; the chunk takes 30 ms to reach the Router
-    finding = only(doctor.check_ttft_hops(inputs_with(spans=spans)))
+    finding = only(check_ttft_hops(inputs_with(spans=spans)))
     assert finding.severity == WARN and finding.subject == "interactive"
     assert finding.summary == "the request path is 92% of the median TTFT (37.0 ms)"
     assert "same Serve settings" in finding.action and finding.data["largest"] == "hop_back"
