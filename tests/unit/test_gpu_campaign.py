@@ -63,7 +63,9 @@ def test_tuned_lanes_share_one_gpu_and_fit_the_batch():
     hot, cold = args["hot_lane"], args["cold_lane"]
     assert hot["deployment"]["num_gpus"] + cold["deployment"]["num_gpus"] == 1
     assert hot["engine"]["gpu_memory_utilization"] + cold["engine"]["gpu_memory_utilization"] <= 0.90
-    from app.tools.kv_budget import compute_budget, build_inputs, parse_args
+    from app.tools.kv_budget.budget import compute_budget
+    from app.tools.kv_budget.cli import parse_args
+    from app.tools.kv_budget.inputs import build_inputs
     from app.tools.make_tiny_model import LLAMA31_8B_CONFIG
 
     # 140.4 GiB (the H200) x 0.70 - weights - 2 GiB reserve: all 256 cold sequences of 2,048 + 256 tokens resident.

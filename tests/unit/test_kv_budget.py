@@ -7,22 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from app.tools import kv_budget
-from app.tools.kv_budget import (
-    FAIL,
-    GIB,
-    PASS,
-    WARN,
-    BudgetInputs,
-    ModelShape,
-    block_size_checks,
-    compute_budget,
-    kv_bytes_per_token,
-    kv_heads_per_rank,
-    max_concurrent_sequences,
-    parameter_count,
-    tokens_fitting,
+from app.tools.kv_budget.budget import FAIL, PASS, WARN, BudgetInputs, block_size_checks, compute_budget
+from app.tools.kv_budget.cli import main
+from app.tools.kv_budget.shape import (
+    GIB, ModelShape, kv_bytes_per_token, kv_heads_per_rank, max_concurrent_sequences, parameter_count, tokens_fitting,
 )
+from app.tools.kv_budget.shared_gpu import SharedEngine, engine_footprint, shared_gpu_checks
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "models" / "tiny-llama" / "config.json"
@@ -286,7 +276,7 @@ def write_config(tmp_path: Path, config: dict) -> Path:
 
 def test_cli_tuning_guide_invocation_fails_on_80_gib(tmp_path, capsys):
     folder = write_config(tmp_path, LLAMA_3_1_8B)
-    code = kv_budget.main([
+    code = main([
         "--model", str(folder), "--precision", "fp16", "--max_tokens", "131072", "--batch_size", "32",
         "--gpu-memory-gib", "80",
     ])
@@ -298,7 +288,7 @@ def test_cli_tuning_guide_invocation_fails_on_80_gib(tmp_path, capsys):
 
 def test_cli_json_and_passing_exit(tmp_path, capsys):
     folder = write_config(tmp_path, LLAMA_3_1_8B)
-    code = kv_budget.main([
+    code = main([
         "--model", str(folder), "--precision", "fp16", "--max-tokens", "8192", "--batch-size", "4",
         "--gpu-memory-gib", "80", "--json",
     ])
@@ -311,7 +301,7 @@ def test_cli_json_and_passing_exit(tmp_path, capsys):
 
 def test_cli_serve_config_local_reads_schema(monkeypatch, capsys):
     monkeypatch.chdir(REPO)
-    code = kv_budget.main(["--serve-config", "serve_configs/local.yaml", "--lane", "hot", "--json"])
+    code = main(["--serve-config", "serve_configs/local.yaml", "--lane", "hot", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["inputs"]["kv_cache_memory_bytes"] == 268_435_456
@@ -322,9 +312,9 @@ def test_cli_serve_config_local_reads_schema(monkeypatch, capsys):
 def test_cli_serve_config_hub_model_needs_model_config(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match="--model-config"):
-        kv_budget.main(["--serve-config", str(REPO / "serve_configs/prod.yaml")])
+        main(["--serve-config", str(REPO / "serve_configs/prod.yaml")])
     config = write_config(tmp_path, QWEN2_5_32B) / "config.json"
-    code = kv_budget.main([
+    code = main([
         "--serve-config", str(REPO / "serve_configs/prod.yaml"), "--lane", "hot", "--model-config", str(config),
         "--gpu-memory-gib", "80", "--json",
     ])
@@ -346,7 +336,7 @@ def test_gpu_single_fits_the_h200_as_measured(tmp_path, monkeypatch, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_3_1_8B))
     monkeypatch.chdir(REPO)
-    code = kv_budget.main(["--serve-config", "serve_configs/gpu-single.yaml", "--shared-gpu", "--model-config",
+    code = main(["--serve-config", "serve_configs/gpu-single.yaml", "--shared-gpu", "--model-config",
                            str(config), "--gpu-memory-gib", str(H200_GIB)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -356,14 +346,14 @@ def test_gpu_single_fits_the_h200_as_measured(tmp_path, monkeypatch, capsys):
 
 def shared(name, kv_gib, utilization, num_gpus=0.25):
     weights = 8_030_261_248 * 2
-    return kv_budget.SharedEngine(name, name.split()[0], weights, None if kv_gib is None else int(kv_gib * GIB),
+    return SharedEngine(name, name.split()[0], weights, None if kv_gib is None else int(kv_gib * GIB),
                                   utilization, num_gpus)
 
 
 def test_shared_gpu_start_up_check_names_the_engine_and_the_utilization_that_would_pass():
     engines = [shared("hot_lane replica 1", 3, 0.25), shared("hot_lane replica 2", 3, 0.15),
                shared("cold_lane replica 1", 74, 0.66, 0.5)]
-    _, checks = kv_budget.shared_gpu_checks(engines, int(H200_GIB * GIB), 2 * GIB)
+    _, checks = shared_gpu_checks(engines, int(H200_GIB * GIB), 2 * GIB)
     by_name = {c.name: c for c in checks}
     # Started last, hot replica 1 finds 140.40 - 19.96 - 90.96 = 29.48 GiB free and wants 0.25 x 140.40 = 35.10.
     first = by_name["hot_lane replica 1 starts last"]
@@ -375,7 +365,7 @@ def test_shared_gpu_start_up_check_names_the_engine_and_the_utilization_that_wou
 def test_shared_gpu_that_does_not_fit_or_over_asks_for_gpus_fails():
     engines = [shared("hot_lane replica 1", 10, 0.15), shared("hot_lane replica 2", 10, 0.15),
                shared("cold_lane replica 1", 100, 0.66, 0.75)]
-    _, checks = kv_budget.shared_gpu_checks(engines, int(H200_GIB * GIB), 2 * GIB)
+    _, checks = shared_gpu_checks(engines, int(H200_GIB * GIB), 2 * GIB)
     by_name = {c.name: c for c in checks}
     assert by_name["engines fit on the GPU"].status == FAIL and "short" in by_name["engines fit on the GPU"].detail
     assert by_name["one GPU's worth of num_gpus"].status == FAIL  # 0.25 + 0.25 + 0.75
@@ -383,4 +373,4 @@ def test_shared_gpu_that_does_not_fit_or_over_asks_for_gpus_fails():
 
 def test_an_engine_without_a_byte_budget_holds_its_utilization_share():
     sized_by_share = shared("cold_lane replica 1", None, 0.5)
-    assert kv_budget.engine_footprint(sized_by_share, 100 * GIB, 2 * GIB) == 50 * GIB
+    assert engine_footprint(sized_by_share, 100 * GIB, 2 * GIB) == 50 * GIB

@@ -250,7 +250,7 @@ def gather_inputs(
                           slowest_traces=slowest_traces)
     threshold_from_config = None
     if serve_config:
-        from app.tools.kv_budget import read_serve_config
+        from app.tools.kv_budget.inputs import read_serve_config
 
         try:
             _, app_config = read_serve_config(serve_config, app_name)
