@@ -76,7 +76,7 @@ class LaneTrace:
         self.span = tracing.start_span(
             SPAN_LANE_GENERATE, context=tracing.extract(request.trace_carrier), start_time_ns=self.arrival_ns,
             attributes={"llm_lanes.lane": lane, "llm_lanes.replica_id": replica_id,
-                        "llm_lanes.request_id": request.request_id, "llm_lanes.request_class": request.request_class,
+                        "llm_lanes.request_id": request.request_id, "llm_lanes.request_class": request.request_class.value,
                         "llm_lanes.prompt_tokens": len(request.prompt_token_ids), "llm_lanes.streamed": request.stream})
 
     def entered_engine(self) -> None:
@@ -171,13 +171,13 @@ class LaneReplica:
                 async for chunk in self._run(request, trace):
                     yield chunk
                 return
-            request_class = RequestClass(request.request_class)
+            request_class = request.request_class
             await self._wait_for_kv_headroom(request, request_class)
             # Realtime beyond its in-flight cap waits here, in front of the engine, not inside it.
             waited = self.gate.waiting(request_class) > 0 or not self.gate.has_room(request_class)
             async with self.gate.slot(request_class, request.priority):
                 if waited:
-                    self.gate_waits_by_class[request.request_class] += 1
+                    self.gate_waits_by_class[request.request_class.value] += 1
                 async for chunk in self._run(request, trace):
                     yield chunk
         except BaseException as caught:
@@ -206,9 +206,9 @@ class LaneReplica:
         if trace is not None:
             trace.entered_engine()
         self.prefix_feed.observe(request.prompt_token_ids)
-        self.inflight_by_class[request.request_class] += 1
-        self.max_inflight_by_class[request.request_class] = max(
-            self.max_inflight_by_class[request.request_class], self.inflight_by_class[request.request_class])
+        name = request.request_class.value
+        self.inflight_by_class[name] += 1
+        self.max_inflight_by_class[name] = max(self.max_inflight_by_class[name], self.inflight_by_class[name])
         finished = False
         try:
             async for chunk in self.engine.generate(request):
@@ -217,12 +217,12 @@ class LaneReplica:
                 if trace is not None:
                     trace.chunk(chunk)
                 yield chunk
-            self.served_by_class[request.request_class] += 1
+            self.served_by_class[name] += 1
         finally:
-            self.inflight_by_class[request.request_class] -= 1
+            self.inflight_by_class[name] -= 1
             if not finished:
                 # Cancelled (client gone, deadline) or failed: make sure the engine drops the sequence.
-                self.aborted_by_class[request.request_class] += 1
+                self.aborted_by_class[name] += 1
                 await asyncio.shield(self.engine.abort(request.request_id))
 
     async def check_health(self) -> None:

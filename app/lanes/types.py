@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.classes import RequestClass
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -20,7 +22,7 @@ class LaneRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
-    request_class: str
+    request_class: RequestClass
     priority: int
     # False: the caller wants only the final answer, so the engine sends one chunk (no per-token objects).
     stream: bool = True

@@ -149,7 +149,7 @@ class ReplicaPrefixFeed:
         async def prefill(index: int, token_ids: list[int]) -> int:
             request = LaneRequest(
                 request_id=f"warmup-{self.replica_id}-{index}", prompt_token_ids=token_ids,
-                sampling=SamplingOptions(max_tokens=1), request_class=RequestClass.BATCH.value,
+                sampling=SamplingOptions(max_tokens=1), request_class=RequestClass.BATCH,
                 priority=CLASS_POLICIES[RequestClass.BATCH].priority, stream=False)
             cached = 0
             async for chunk in generate(request):

@@ -126,11 +126,13 @@ class HttpApi:
         call = await pipeline.start(endpoint, body, class_header=request.headers.get(REQUEST_CLASS_HEADER),
                                     client_timeout_s=client_timeout(request.headers.get(REQUEST_TIMEOUT_HEADER)),
                                     record=record)
+        # The lane that started the answer (a decode handoff's continuation says so in x-llm-lanes-degraded).
+        headers = call.headers()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse_events(pipeline, call, include_usage), media_type="text/event-stream",
-                                     headers=call.headers())
-        return JSONResponse(await pipeline.collect(call), headers=call.headers())
+                                     headers=headers)
+        return JSONResponse(await pipeline.collect(call), headers=headers)
 
     async def admin_stats_route(self) -> dict[str, Any]:
         return await self.admin_stats()

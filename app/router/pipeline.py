@@ -125,7 +125,7 @@ class RequestPipeline:
             prompt_token_ids=token_ids,
             sampling=SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      stop=body.stop_list, seed=body.seed, ignore_eos=body.ignore_eos),
-            request_class=request_class.value,
+            request_class=request_class,
             priority=policy_for(request_class).priority,
             stream=body.stream,
             client_timeout_s=client_timeout_s,

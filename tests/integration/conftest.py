@@ -105,11 +105,7 @@ def write_shared_test_config(tmp_dir: Path, tiny_model: Path) -> Path:
     # Small engines and short limits so contention, queues, deadlines and breakers show within seconds on 2 cores.
     args["hot_lane"]["engine"]["max_num_seqs"] = TEST_HOT_MAX_NUM_SEQS
     args["cold_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
-    # No saturation spill on a predicted wait (interactive_ttft_slo_s): the prediction follows the drain rate of
-    # whatever interactive work earlier tests left, so a test that queues interactive requests in the hot engine
-    # (realtime overtaking them) saw them spill to the cold lane in some runs and not in others (CI, 2026-12-04).
-    # The spill rule itself is unit-tested (tests/unit/test_spill.py); long-context degrade and KV spill stay on.
-    args["admission"].update(interactive_queue_bound=TEST_INTERACTIVE_QUEUE_BOUND, interactive_ttft_slo_s=3600.0,
+    args["admission"].update(interactive_queue_bound=TEST_INTERACTIVE_QUEUE_BOUND,
                              breaker={"failure_threshold": 3, "cooldown_s": 15})
     SPAN_FILE.unlink(missing_ok=True)
     args["observability"] = {"tracing": {"exporter": "file", "file_path": str(SPAN_FILE)}}

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import yaml
 
-from app.classes import Lane
+from app.classes import Lane, RequestClass
 from app.config import TRACING_EXPORTERS, ConfigError, load_app_config
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, SamplingOptions
 from app.observability import tracing as tr
@@ -434,7 +434,7 @@ async def make_replica(monkeypatch, exporter: str):
 
 def lane_request(carrier: dict[str, str], stream: bool = True) -> LaneRequest:
     return LaneRequest(request_id="cmpl-1", prompt_token_ids=[1, 2, 3, 4], sampling=SamplingOptions(max_tokens=3),
-                       request_class="batch", priority=10, stream=stream, trace_carrier=carrier)
+                       request_class=RequestClass.BATCH, priority=10, stream=stream, trace_carrier=carrier)
 
 
 async def test_lane_replica_traces_lane_generate_with_its_phases(monkeypatch):
