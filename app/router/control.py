@@ -64,8 +64,11 @@ class TrafficControl:
         if self.hot_slots is None:
             return
         admission = self.cfg.admission
-        per_hot = max(self.cfg.hot_lane.engine.max_num_seqs - admission.realtime_max_inflight, 1)
-        interactive_hot = max(hot - admission.realtime_reserved_hot_replicas, 1) if hot > 0 else 0
+        reserved = admission.realtime_reserved_hot_replicas
+        sequences = self.cfg.hot_lane.engine.max_num_seqs
+        # A hot replica keeps room for its realtime queue, unless realtime has replicas of its own.
+        per_hot = sequences if reserved else max(sequences - admission.realtime_max_inflight, 1)
+        interactive_hot = max(hot - reserved, 1) if hot > 0 else 0
         self.hot_slots.set_limit(share(per_hot, interactive_hot, routers))
         self.cold_spill.set_limit(share(admission.cold_spill_slots_per_replica, cold, routers))
 

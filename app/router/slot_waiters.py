@@ -1,8 +1,8 @@
 """Requests waiting in the Router for a slot: first come, first served, woken one per freed slot.
 
-Pure asyncio, no Ray. The condition a waiter needs (a free batch slot on some lane) lives elsewhere
-(TrafficControl); this only parks the waiters and wakes them. A waiter also re-checks every `recheck_s`, because a
-condition can become true without a slot being freed (an interactive queue that empties lets the hot lane lend again).
+Pure asyncio, no Ray. The condition a waiter needs (a free hot-lane slot) lives elsewhere (LaneSlots); this only
+parks the waiters and wakes them. A waiter also re-checks every `recheck_s`, because a condition can become true
+without a slot being freed (the Router's share of the slots grows when a replica comes up).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The rule, in order:
 5. Interactive on the hot lane (realtime never spills; the hot replicas' own gate orders it):
    a. a hot replica refused this request for KV headroom, or one did a moment ago: the cold lane;
    b. a hot-lane slot of this Router is free: the hot lane, now;
-   c. the predicted wait for a slot (from the slots in use and their recent hold times, `HotSlots`) is within the
+   c. the predicted wait for a slot (from the slots in use and their recent hold times, `LaneSlots`) is within the
       interactive TTFT SLO: the hot lane, after waiting in the Router for a slot;
    d. the cold lane has spill room: the cold lane;
    e. otherwise 429 with a Retry-After of the time until a slot is expected within the SLO.

@@ -73,3 +73,20 @@ async def test_waiters_are_served_first_come_first_served_as_slots_free():
 
 def test_the_share_of_slots_is_split_across_routers_rounded_up():
     assert share(28, 1, 1) == 28 and share(28, 2, 3) == 19 and share(28, 0, 1) == 0 and share(0, 4, 1) == 0
+
+
+def test_the_hot_slots_leave_room_for_realtime_unless_it_has_replicas_of_its_own():
+    from app.config import load_app_config
+    from app.router.control import TrafficControl
+    from tests.router_fakes import cpu_args
+
+    def limit(**admission):
+        args = cpu_args(admission=admission)
+        args["hot_lane"]["deployment"]["num_replicas"] = 2  # a reserved replica needs another one
+        control = TrafficControl(load_app_config(args))
+        control.set_replica_counts(hot=2, cold=1, routers=1)
+        return control.hot_slots.limit, control.cold_spill.limit
+
+    sequences = load_app_config(cpu_args()).hot_lane.engine.max_num_seqs
+    assert limit(realtime_max_inflight=4) == (2 * (sequences - 4), 8)
+    assert limit(realtime_reserved_hot_replicas=1) == (sequences, 8)
