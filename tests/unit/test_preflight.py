@@ -7,26 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from app.tools import preflight
-from app.tools.preflight import (
-    FAIL,
-    PASS,
-    SKIP,
-    WARN,
-    Readings,
-    check_cuda_version,
-    check_driver,
-    check_flash_attention,
-    check_gpu_architecture,
-    check_health_check_period,
-    check_host_device_bandwidth,
-    check_nvlink,
-    check_request_timeout,
-    check_triton,
-    exit_code,
-    run_checks,
-    tp_pairs,
+from app.tools.preflight.checks import (
+    check_cuda_version, check_driver, check_flash_attention, check_gpu_architecture, check_health_check_period,
+    check_host_device_bandwidth, check_hot_lane_prefill_graphs, check_mps_daemon, check_nvlink, check_request_timeout,
+    check_triton, exit_code, run_checks,
 )
+from app.tools.preflight.cli import main
+from app.tools.preflight.gather import gather_readings, hot_cuda_graph_tokens
+from app.tools.preflight.readings import FAIL, PASS, SKIP, WARN, Readings, tp_pairs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -166,7 +154,7 @@ def test_cpu_machine_skips_gpu_checks_and_checks_the_rest():
 
 
 def test_gather_reads_serve_config_on_this_machine():
-    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs/prod.yaml"), bandwidth=False)
+    readings = gather_readings(serve_config=str(REPO / "serve_configs/prod.yaml"), bandwidth=False)
     assert readings.health_check_periods_s == {"hot_lane": 3.0, "cold_lane": 3.0}
     assert readings.tensor_parallel_size == 2
     assert readings.torch_version is not None
@@ -175,7 +163,7 @@ def test_gather_reads_serve_config_on_this_machine():
 
 
 def test_cli_json_on_this_machine(capsys):
-    code = preflight.main([
+    code = main([
         "--serve-config", str(REPO / "serve_configs/prod.yaml"), "--request-timeout-s", "30", "--p99-ms", "450",
         "--no-bandwidth", "--json",
     ])
@@ -189,10 +177,10 @@ def test_cli_json_on_this_machine(capsys):
 
 @pytest.mark.parametrize("timeout, expected", [("1", 1), ("30", 0)])
 def test_cli_exit_code_follows_fail(timeout, expected, capsys):
-    code = preflight.main(["--request-timeout-s", timeout, "--p99-ms", "450", "--no-bandwidth"])
+    code = main(["--request-timeout-s", timeout, "--p99-ms", "450", "--no-bandwidth"])
     capsys.readouterr()
     # On a GPU machine a real FAIL in another check would also count: this machine's own readings decide.
-    readings = preflight.gather_readings(bandwidth=False)
+    readings = gather_readings(bandwidth=False)
     gpu_fail = any(c.status == FAIL for c in run_checks(readings) if not c.name.startswith("request timeout"))
     assert code == (1 if gpu_fail else expected)
 
@@ -203,7 +191,7 @@ MPS_COLD = {"cold_lane": ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_
 
 
 def test_mps_settings_without_a_daemon_warn_and_say_how_to_start_it():
-    check = preflight.check_mps_daemon(h200_node(serve_config="gpu-single.yaml", mps_settings=MPS_COLD,
+    check = check_mps_daemon(h200_node(serve_config="gpu-single.yaml", mps_settings=MPS_COLD,
                                                  mps_daemon=False))
     assert check.status == WARN and "cold_lane: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in check.value
     assert "nvidia-cuda-mps-control -d" in check.detail and "do nothing" in check.detail
@@ -216,18 +204,18 @@ def test_mps_settings_without_a_daemon_warn_and_say_how_to_start_it():
     (Readings(serve_config="gpu-single.yaml", mps_settings=MPS_COLD, mps_daemon=False), SKIP),  # no GPU here
 ])
 def test_mps_check_passes_with_a_daemon_and_skips_when_it_does_not_apply(readings, status):
-    assert preflight.check_mps_daemon(readings).status == status
+    assert check_mps_daemon(readings).status == status
 
 
 def test_gather_reads_mps_settings_and_one_lane_configs(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # an empty pipe directory: no daemon there
-    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
+    readings = gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
     assert readings.mps_settings == MPS_COLD
     (tmp_path / "control").touch()  # a daemon's control pipe (e.g. one running outside this container)
-    readings = preflight.gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
+    readings = gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
     assert readings.mps_daemon is True and str(tmp_path) in readings.mps_daemon_evidence
     # The single-pool baseline has no cold lane: only the hot lane is read.
-    baseline = preflight.gather_readings(serve_config=str(REPO / "serve_configs/baseline-gpu.yaml"), bandwidth=False)
+    baseline = gather_readings(serve_config=str(REPO / "serve_configs/baseline-gpu.yaml"), bandwidth=False)
     assert baseline.health_check_periods_s == {"hot_lane": 3.0} and baseline.mps_settings == {}
 
 
@@ -248,9 +236,9 @@ def test_hot_lane_prefill_graphs_from_the_serve_configs(config, tokens, status, 
 
         path = tmp_path / config
         assert merge_overlay([str(REPO / "load_tests" / "configs" / config), "--out", str(path)]) == 0
-    readings = preflight.gather_readings(serve_config=str(path), bandwidth=False)
+    readings = gather_readings(serve_config=str(path), bandwidth=False)
     assert readings.hot_cuda_graph_tokens == tokens
-    check = preflight.check_hot_lane_prefill_graphs(readings)
+    check = check_hot_lane_prefill_graphs(readings)
     assert check.status == status, check
     if status == WARN:
         assert "cuda_graph_max_tokens: 512" in check.detail and "2 x max_num_seqs 32" in check.value
@@ -259,8 +247,8 @@ def test_hot_lane_prefill_graphs_from_the_serve_configs(config, tokens, status, 
 def test_hot_cuda_graph_tokens_reads_every_way_of_setting_it():
     from app.config import EngineSettings
 
-    assert preflight.hot_cuda_graph_tokens(EngineSettings(enforce_eager=True)) == (0, "enforce_eager")
+    assert hot_cuda_graph_tokens(EngineSettings(enforce_eager=True)) == (0, "enforce_eager")
     passed_through = EngineSettings(extra_engine_args={"compilation_config": {"max_cudagraph_capture_size": 128}})
-    assert preflight.hot_cuda_graph_tokens(passed_through) == (128, "extra_engine_args.compilation_config")
+    assert hot_cuda_graph_tokens(passed_through) == (128, "extra_engine_args.compilation_config")
     # The default never exceeds the step budget.
-    assert preflight.hot_cuda_graph_tokens(EngineSettings(max_num_seqs=64, max_num_batched_tokens=100))[0] == 100
+    assert hot_cuda_graph_tokens(EngineSettings(max_num_seqs=64, max_num_batched_tokens=100))[0] == 100
