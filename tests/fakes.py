@@ -1,6 +1,29 @@
-"""Fakes shared by the unit tests (no Ray, no engine)."""
+"""Fakes shared by the tests: a clock, and the fakes around the Router's real request path (lanes, tokenizer,
+metrics backend, and the surfaces built through their constructors). No Ray cluster, no vLLM engine."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import yaml
+
+from app.batch.dispatcher import BatchDispatcher
+from app.batch.open_store import open_batch_store
+from app.batch.window import ConcurrencyWindow
+from app.classes import Lane
+from app.config import load_app_config
+from app.lanes.types import LaneChunk, LaneRequest
+from app.observability import tracing as tr
+from app.observability.metrics import LlmLanesMetrics
+from app.router.batch_api import BatchApi, execute_batch_line
+from app.router.control import TrafficControl
+from app.router.deployment import admin_document
+from app.router.grpc_api import GrpcApi
+from app.router.http_api import HttpApi
+from app.router.pipeline import RequestPipeline
+from app.router.prompts import PromptTokenizer
+
 
 
 class FakeClock:
@@ -17,3 +40,142 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def cpu_args(**extra):
+    """App args for a two-lane CPU app (the schema's defaults elsewhere), with `extra` top-level blocks."""
+    lane = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32"}, "deployment": {}}
+    return {"device": "cpu", "model": {"source": "models/tiny-llama", "served_name": "tiny", "max_model_len": 2048},
+            "hot_lane": yaml.safe_load(yaml.safe_dump(lane)), "cold_lane": yaml.safe_load(yaml.safe_dump(lane)),
+            **extra}
+
+
+class FakeMetricsModule:
+    """Stands in for ray.serve.metrics: records every observation as (metric name, value, tags)."""
+
+    def __init__(self):
+        self.samples: list[tuple[str, float, dict[str, str]]] = []
+        recorder = self
+
+        class _Metric:
+            def __init__(self, name, description="", tag_keys=(), boundaries=None):
+                self.name, self.tag_keys = name, tuple(tag_keys)
+
+            def _record(self, value, tags):
+                assert set(tags or {}) == set(self.tag_keys), (self.name, tags)
+                assert all(isinstance(v, str) for v in (tags or {}).values())
+                recorder.samples.append((self.name, value, dict(tags or {})))
+
+            inc = observe = set = _record
+
+        self.Counter = self.Gauge = self.Histogram = _Metric
+
+    def of(self, name: str) -> list[tuple[float, dict[str, str]]]:
+        return [(value, tags) for metric, value, tags in self.samples if metric == name]
+
+
+class FakeTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [1 + ord(c) % 200 for c in text]
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+
+    def __len__(self):
+        return 256
+
+
+class FakeStream:
+    def __init__(self, chunks, delay_s: float = 0.0):
+        self._chunks = iter(chunks)
+        self.delay_s = delay_s
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(self.delay_s)
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeLane:
+    """A lane: `remote(request)` streams three chunks of 2 tokens each (one chunk when not streamed)."""
+
+    def __init__(self, name: str, delay_s: float = 0.0):
+        self.name = name
+        self.delay_s = delay_s
+        self.requests: list[LaneRequest] = []
+
+    def remote(self, request: LaneRequest) -> FakeStream:
+        self.requests.append(request)
+        prompt = len(request.prompt_token_ids)
+        texts = ["ab", "cd", "ef"] if request.stream else ["abcdef"]
+        chunks = []
+        for i, text in enumerate(texts):
+            done = i == len(texts) - 1
+            tokens = 6 if done else 2 * (i + 1)
+            chunks.append(LaneChunk(text=text, completion_tokens=tokens, prompt_tokens=prompt,
+                                    finish_reason="length" if done else None, lane=self.name))
+        return FakeStream(chunks, self.delay_s)
+
+
+class FakeLanes:
+    """The pipeline's LaneClients over FakeLane objects keyed by lane name ("hot", "cold")."""
+
+    def __init__(self, lanes: dict[str, FakeLane]):
+        self.by_name = lanes
+
+    def open(self, lane: Lane, request: LaneRequest):
+        return self.by_name[lane.value].remote(request)
+
+
+class RouterSurfaces(HttpApi, BatchApi, GrpcApi):
+    """The Router's three surfaces over a real pipeline, built through a constructor (what the deployment wires)."""
+
+    def __init__(self, pipeline: RequestPipeline, lanes: dict[str, FakeLane], metrics_backend: FakeMetricsModule,
+                 batch_store, dispatcher: BatchDispatcher | None = None):
+        self.pipeline = pipeline
+        self.cfg = pipeline.cfg
+        self.control = pipeline.control
+        self.tracing = pipeline.tracing
+        self.metrics = pipeline.metrics
+        self.lanes = lanes
+        self.metrics_backend = metrics_backend
+        self.batch_store = batch_store
+        # Never run: the surfaces only notify it of new work.
+        self.dispatcher = dispatcher or BatchDispatcher(batch_store, lambda line: execute_batch_line(pipeline, line),
+                                                        window=ConcurrencyWindow(16, 32))
+        self.prefix_cache = None
+        self.lane_replicas = {"hot": 1, "cold": 1}
+
+        self.lane_handles: dict[Lane, object] = {}
+
+    async def admin_stats(self):
+        return await admin_document(self.lane_handles, self.prefix_cache, self.control, self.dispatcher)
+
+
+def make_pipeline(lanes: dict[str, FakeLane] | None = None, tracing_exporter: str | None = None,
+                  clock: Callable[[], float] | None = None, **cfg_extra):
+    """(pipeline, lanes, metrics backend) with fake lanes and the real TrafficControl."""
+    cfg = load_app_config(cpu_args(**cfg_extra))
+    lanes = lanes or {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
+    backend = FakeMetricsModule()
+    control = TrafficControl(cfg, **({"clock": clock} if clock else {}))
+    pipeline = RequestPipeline(cfg, PromptTokenizer(FakeTokenizer()), control, FakeLanes(lanes),
+                               LlmLanesMetrics(metrics_module=backend),
+                               tr.setup_tracing({"exporter": tracing_exporter or "none"},
+                                                component="Router"))
+    return pipeline, lanes, backend
+
+
+def make_router(tmp_path, tracing_exporter=None, lanes: dict[str, FakeLane] | None = None,
+                **cfg_extra) -> RouterSurfaces:
+    pipeline, lanes, backend = make_pipeline(lanes, tracing_exporter, **cfg_extra)
+    return RouterSurfaces(pipeline, lanes, backend, open_batch_store(str(tmp_path / "batches.sqlite3")))

@@ -6,7 +6,6 @@ import pytest
 from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
 from app.router.admission import BackPressure
 from app.classes import RequestClass
-from tests.fakes import FakeClock
 
 RESERVE = 0.20  # the schema's admission.realtime_kv_reserve
 RT, IA, BA = RequestClass.REALTIME, RequestClass.INTERACTIVE, RequestClass.BATCH

@@ -18,7 +18,7 @@ from app.router.handoff import REASON_DECODE_ON_COLD, handoff_after_tokens
 from app.router.http_api import sse_events
 from app.router.lane_caps import LaneCaps
 from app.router.spill import COLD_LANE_INTERACTIVE_PRIORITY
-from tests.router_fakes import FakeLane, FakeStream, cpu_args, make_router
+from tests.fakes import FakeLane, FakeStream, cpu_args, make_router
 
 TWO_LANES = {Lane.HOT: LaneCaps(2048), Lane.COLD: LaneCaps(2048)}
 

@@ -6,7 +6,7 @@ import pytest
 
 from app.router.control import share
 from app.router.hot_slots import LaneSlots
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, cpu_args
 
 
 def test_no_wait_while_a_slot_is_free_and_none_predicted_before_any_hold_is_known():
@@ -78,7 +78,6 @@ def test_the_share_of_slots_is_split_across_routers_rounded_up():
 def test_the_hot_slots_leave_room_for_realtime_unless_it_has_replicas_of_its_own():
     from app.config import load_app_config
     from app.router.control import TrafficControl
-    from tests.router_fakes import cpu_args
 
     def limit(**admission):
         args = cpu_args(admission=admission)

@@ -23,7 +23,7 @@ from app.prefix_cache.replica_feed import ReplicaPrefixFeed
 from app.proto import convert
 from app.router.deployment import publish_router_gauges
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
-from tests.router_fakes import FakeMetricsModule, cpu_args, make_router
+from tests.fakes import FakeMetricsModule, cpu_args, make_router
 from tests.unit.grpc_fakes import FakeServicerContext
 
 REPO = Path(__file__).resolve().parents[2]

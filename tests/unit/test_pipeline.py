@@ -13,8 +13,7 @@ from app.classes import Lane
 from app.lanes.types import LaneChunk, LaneRequest
 from app.router import openai_api as api
 from app.router.endpoints import COMPLETION
-from tests.fakes import FakeClock
-from tests.router_fakes import FakeLane, make_pipeline
+from tests.fakes import FakeClock, FakeLane, make_pipeline
 
 # 8 sequences per hot engine, 4 of them for realtime: 4 hot slots for interactive work at this (only) Router.
 ADMISSION = {"realtime_max_inflight": 4, "interactive_ttft_slo_s": 1.0, "cold_spill_slots_per_replica": 2}

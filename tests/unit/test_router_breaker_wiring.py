@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from app.router.breaker import BreakerState
 from app.classes import Lane
 from app.router.batch_api import _execute_batch_line_once
-from tests.router_fakes import FakeLane, make_router
+from tests.fakes import FakeLane, make_router
 
 
 class DeadStream:
