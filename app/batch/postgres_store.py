@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import psycopg
 
-from app.batch.store import SqlBatchStore
+from app.batch.sql_store import SqlBatchStore
 
 # Arbitrary constant key for pg_advisory_xact_lock: serializes schema creation between processes starting together.
 SCHEMA_ADVISORY_LOCK_KEY = 0x6C6C6D6C616E6573  # "llmlanes"

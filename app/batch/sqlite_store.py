@@ -12,7 +12,7 @@ import sqlite3
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from app.batch.store import SqlBatchStore
+from app.batch.sql_store import SqlBatchStore
 
 # How long a writer waits for another process's write lock before SQLite raises "database is locked".
 BUSY_TIMEOUT_MS = 30_000
