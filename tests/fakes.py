@@ -10,7 +10,6 @@ import yaml
 
 from app.batch.dispatcher import BatchDispatcher
 from app.batch.open_store import open_batch_store
-from app.batch.window import ConcurrencyWindow
 from app.classes import Lane
 from app.config import load_app_config
 from app.lanes.types import LaneChunk, LaneRequest
@@ -151,7 +150,7 @@ class RouterSurfaces(HttpApi, BatchApi, GrpcApi):
         self.batch_store = batch_store
         # Never run: the surfaces only notify it of new work.
         self.dispatcher = dispatcher or BatchDispatcher(batch_store, lambda line: execute_batch_line(pipeline, line),
-                                                        window=ConcurrencyWindow(16, 32))
+                                                        pipeline.cfg.batch)
         self.prefix_cache = None
         self.lane_replicas = {"hot": 1, "cold": 1}
 

@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable
 
 from app.batch.store import BatchStore, ClaimedLine
 from app.batch.window import ConcurrencyWindow
+from app.config import BatchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,22 +77,21 @@ class DispatcherStats:
 
 
 class BatchDispatcher:
-    def __init__(self, store: BatchStore, execute: ExecuteFn, *, window: ConcurrencyWindow | None = None,
-                 owner: str | None = None, lease_s: float = 60.0, renew_interval_s: float | None = None,
-                 poll_interval_s: float = 0.5, max_attempts: int = 3,
-                 clock: Callable[[], float] = time.monotonic):
-        if lease_s <= 0 or max_attempts < 1:
-            raise ValueError("lease_s must be > 0 and max_attempts >= 1")
+    def __init__(self, store: BatchStore, execute: ExecuteFn, settings: BatchConfig, *,
+                 window: ConcurrencyWindow | None = None, owner: str | None = None,
+                 renew_interval_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+        """`settings` is the schema's batch section (lease_s, poll_interval_s, max_attempts, and the window's
+        settings when no `window` is given), which validates its values."""
         self.store = store
         self.execute = execute
-        self.window = window or ConcurrencyWindow()
+        self.window = window or ConcurrencyWindow(settings)
         # Unique per dispatcher instance: a restarted process must not mistake its predecessor's leases for its own.
         self.owner = owner or f"dispatcher-{uuid.uuid4().hex[:12]}"
-        self.lease_s = lease_s
+        self.lease_s = settings.lease_s
         # Renew well before the lease runs out, so one slow store round trip cannot lose it.
-        self.renew_interval_s = renew_interval_s if renew_interval_s is not None else lease_s / 3
-        self.poll_interval_s = poll_interval_s
-        self.max_attempts = max_attempts
+        self.renew_interval_s = renew_interval_s if renew_interval_s is not None else self.lease_s / 3
+        self.poll_interval_s = settings.poll_interval_s
+        self.max_attempts = settings.max_attempts
         self.clock = clock
         self.stats = DispatcherStats()
         self._in_flight: dict[tuple[str, int], asyncio.Task] = {}

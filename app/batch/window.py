@@ -1,5 +1,5 @@
-"""Dynamic concurrency window for a cold-lane replica: how many batch requests to keep in flight (16-32 by default,
-the tuning guide's dynamic batch range).
+"""Dynamic concurrency window for a cold-lane replica: how many batch requests to keep in flight (the schema's
+batch.window_min..window_max, 16-32 by default: the tuning guide's dynamic batch range).
 
 AIMD on measured numbers, one decision per observation interval:
 - latency (time per output token, which includes time queued inside the engine) above target -> multiplicative
@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from app.config import BatchConfig
+
 
 @dataclass(frozen=True)
 class WindowSample:
@@ -34,27 +36,24 @@ class WindowDecision:
 
 
 class ConcurrencyWindow:
-    def __init__(self, min_size: int = 16, max_size: int = 32, *, initial_size: int | None = None,
-                 target_latency_per_token_s: float = 0.1, decrease_factor: float = 0.5,
-                 min_throughput_gain: float = 0.02, min_samples: int = 8, interval_s: float = 5.0,
-                 slow_start: bool = False):
-        if not 1 <= min_size <= max_size:
-            raise ValueError(f"window bounds must satisfy 1 <= min_size <= max_size, got {min_size}..{max_size}")
+    def __init__(self, settings: BatchConfig, *, initial_size: int | None = None, decrease_factor: float = 0.5,
+                 min_throughput_gain: float = 0.02, min_samples: int = 8):
+        """`settings` is the schema's batch section, which validates its values: window_min / window_max (the
+        bounds), target_latency_per_token_s, window_interval_s and window_slow_start. The keywords are the AIMD
+        rule's own knobs."""
         if not 0 < decrease_factor < 1:
             raise ValueError(f"decrease_factor={decrease_factor} must be in (0, 1)")
-        if target_latency_per_token_s <= 0 or interval_s <= 0:
-            raise ValueError("target_latency_per_token_s and interval_s must be > 0")
-        self.min_size = min_size
-        self.max_size = max_size
-        self.size = min(max(initial_size if initial_size is not None else min_size, min_size), max_size)
-        self.target_latency_per_token_s = target_latency_per_token_s
+        self.min_size = settings.window_min
+        self.max_size = settings.window_max
+        self.size = min(max(initial_size if initial_size is not None else self.min_size, self.min_size), self.max_size)
+        self.target_latency_per_token_s = settings.target_latency_per_token_s
         self.decrease_factor = decrease_factor
         self.min_throughput_gain = min_throughput_gain
         self.min_samples = min_samples
-        self.interval_s = interval_s
-        self.slow_start = slow_start
+        self.interval_s = settings.window_interval_s
+        self.slow_start = settings.window_slow_start
         self._initial_size = self.size
-        self._initial_slow_start = slow_start
+        self._initial_slow_start = self.slow_start
         self._samples: list[WindowSample] = []
         self._interval_start: float | None = None
         self._previous_throughput: float | None = None

@@ -92,7 +92,6 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
 
         from app.batch.dispatcher import BatchDispatcher
         from app.batch.open_store import open_batch_store
-        from app.batch.window import ConcurrencyWindow
         from app.observability.metrics import LlmLanesMetrics
         from app.observability.tracing import setup_tracing
 
@@ -115,13 +114,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         batch = cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
         # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
-        self.dispatcher = BatchDispatcher(
-            self.batch_store, lambda line: execute_batch_line(self.pipeline, line),
-            window=ConcurrencyWindow(min_size=batch.window_min, max_size=batch.window_max,
-                                     target_latency_per_token_s=batch.target_latency_per_token_s,
-                                     interval_s=batch.window_interval_s, slow_start=batch.window_slow_start),
-            lease_s=batch.lease_s, poll_interval_s=batch.poll_interval_s, max_attempts=batch.max_attempts,
-        )
+        self.dispatcher = BatchDispatcher(self.batch_store, lambda line: execute_batch_line(self.pipeline, line), batch)
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
 

@@ -12,8 +12,14 @@ from app.batch.dispatcher import BatchDispatcher, dispatch_capacity
 from app.batch.sqlite_store import SqliteBatchStore
 from app.batch.store import LINE_FAILED, ClaimedLine
 from app.batch.window import ConcurrencyWindow
+from app.config import BatchConfig
 
 ENDPOINT = "/v1/chat/completions"
+
+
+def batch_settings(window: tuple[int, int] = (16, 32), **overrides) -> BatchConfig:
+    """The schema's batch section with these window bounds; no slow start unless asked (a steady window)."""
+    return BatchConfig(**{"window_min": window[0], "window_max": window[1], "window_slow_start": False, **overrides})
 
 
 def make_batch(store, n: int):
@@ -21,7 +27,7 @@ def make_batch(store, n: int):
                          "body": {"model": "tiny", "messages": [{"role": "user", "content": f"q{i}"}]}})
              for i in range(n)]
     input_file = store.create_file("batch", "in.jsonl", ("\n".join(lines) + "\n").encode())
-    return store.create_batch(input_file.id, ENDPOINT)
+    return store.create_batch(input_file.id, ENDPOINT, "24h")
 
 
 def ok(line: ClaimedLine) -> dict:
@@ -67,7 +73,7 @@ async def test_200_line_batch_records_every_custom_id_once(db_path):
     store = SqliteBatchStore(db_path)
     batch = make_batch(store, 200)
     engine = FakeEngine()
-    dispatcher = BatchDispatcher(store, engine, window=ConcurrencyWindow(16, 32), poll_interval_s=0.01)
+    dispatcher = BatchDispatcher(store, engine, batch_settings((16, 32), poll_interval_s=0.01))
     await dispatcher.run_until_idle()
     final = store.get_batch(batch.id)
     assert final.status == "completed"
@@ -86,7 +92,7 @@ async def test_settlement_is_checked_only_when_no_line_of_the_batch_is_left_in_f
     checks = []
     finalize = store.finalize_batch
     store.finalize_batch = lambda batch_id: checks.append(batch_id) or finalize(batch_id)
-    dispatcher = BatchDispatcher(store, FakeEngine(), window=ConcurrencyWindow(16, 16), poll_interval_s=0.01)
+    dispatcher = BatchDispatcher(store, FakeEngine(), batch_settings((16, 16), poll_interval_s=0.01))
     await dispatcher.run_until_idle()
     assert store.get_batch(batch.id).status == "completed" and dispatcher.stats.finalized_batches == 1
     # Not once per line: only when the dispatcher's in-flight set held no other line of the batch.
@@ -97,8 +103,9 @@ async def test_settlement_is_checked_only_when_no_line_of_the_batch_is_left_in_f
 async def test_window_restarts_when_the_queue_runs_dry(db_path):
     store = SqliteBatchStore(db_path)
     make_batch(store, 40)
-    window = ConcurrencyWindow(4, 16, slow_start=True, min_samples=2, interval_s=0.01)
-    dispatcher = BatchDispatcher(store, FakeEngine(delay_s=(0.005, 0.01)), window=window, poll_interval_s=0.01)
+    settings = batch_settings((4, 16), window_slow_start=True, window_interval_s=0.01, poll_interval_s=0.01)
+    window = ConcurrencyWindow(settings, min_samples=2)
+    dispatcher = BatchDispatcher(store, FakeEngine(delay_s=(0.005, 0.01)), settings, window=window)
     await dispatcher.run_until_idle()
     assert window.size == 4 and window.slow_start is True  # the next job starts from the bottom again
     store.close()
@@ -108,7 +115,7 @@ async def test_window_size_bounds_concurrency(db_path):
     store = SqliteBatchStore(db_path)
     make_batch(store, 40)
     engine = FakeEngine()
-    await BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=0.01).run_until_idle()
+    await BatchDispatcher(store, engine, batch_settings((4, 4), poll_interval_s=0.01)).run_until_idle()
     assert engine.max_running == 4 and len(engine.executions) == 40
     store.close()
 
@@ -130,7 +137,7 @@ async def test_capacity_follows_the_replica_counts(db_path):
     store = SqliteBatchStore(db_path)
     make_batch(store, 60)
     engine = FakeEngine(delay_s=(0.005, 0.01))
-    dispatcher = BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=0.01)
+    dispatcher = BatchDispatcher(store, engine, batch_settings((4, 4), poll_interval_s=0.01))
     dispatcher.set_replica_counts(cold_replicas=3, router_replicas=1)
     assert dispatcher.capacity == 12
     await dispatcher.run_until_idle()
@@ -154,8 +161,8 @@ async def test_killed_dispatcher_lines_are_rerun_after_lease_expiry_without_dupl
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    dispatcher_a = BatchDispatcher(store_a, execute_then_hang, window=ConcurrencyWindow(8, 8), lease_s=lease_s,
-                                   poll_interval_s=0.01)
+    dispatcher_a = BatchDispatcher(store_a, execute_then_hang,
+                                   batch_settings((8, 8), lease_s=lease_s, poll_interval_s=0.01))
     task = asyncio.create_task(dispatcher_a.run())
     await asyncio.wait_for(started.wait(), 5)
     await asyncio.sleep(0.05)
@@ -166,8 +173,7 @@ async def test_killed_dispatcher_lines_are_rerun_after_lease_expiry_without_dupl
 
     store_b = SqliteBatchStore(db_path)  # a new process on the same file
     engine_b = FakeEngine()
-    dispatcher_b = BatchDispatcher(store_b, engine_b, window=ConcurrencyWindow(8, 8), lease_s=lease_s,
-                                   poll_interval_s=0.01)
+    dispatcher_b = BatchDispatcher(store_b, engine_b, batch_settings((8, 8), lease_s=lease_s, poll_interval_s=0.01))
     assert await dispatcher_b.step() <= 60 - 20 - len(hung)  # hung lines are not claimable yet
     await asyncio.sleep(lease_s + 0.1)
     await dispatcher_b.run_until_idle()
@@ -186,7 +192,7 @@ async def test_two_dispatchers_never_run_the_same_line_concurrently(db_path):
     batch = make_batch(setup, 150)
     engine = FakeEngine(delay_s=(0.001, 0.01))  # shared: sees both dispatchers' executions
     stores = [SqliteBatchStore(db_path), SqliteBatchStore(db_path)]
-    dispatchers = [BatchDispatcher(s, engine, window=ConcurrencyWindow(16, 16), poll_interval_s=0.01)
+    dispatchers = [BatchDispatcher(s, engine, batch_settings((16, 16), poll_interval_s=0.01))
                    for s in stores]
     await asyncio.gather(*(d.run_until_idle() for d in dispatchers))
     assert not engine.overlaps
@@ -213,7 +219,7 @@ async def test_client_errors_fail_at_once_and_transient_errors_retry_then_fail(d
             raise ConnectionError("replica died")
         return ok(line)
 
-    dispatcher = BatchDispatcher(store, execute, max_attempts=3, poll_interval_s=0.01)
+    dispatcher = BatchDispatcher(store, execute, batch_settings(max_attempts=3, poll_interval_s=0.01))
     await dispatcher.run_until_idle()
     assert calls == {"req-0": 1, "req-1": 3, "req-2": 2, "req-3": 1}
     lines = {line.custom_id: line for line in store.get_lines(batch.id)}
@@ -232,7 +238,7 @@ async def test_run_stops_cleanly_and_resumes_later(db_path):
     store = SqliteBatchStore(db_path)
     batch = make_batch(store, 30)
     engine = FakeEngine(delay_s=(0.01, 0.02))
-    dispatcher = BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=0.01)
+    dispatcher = BatchDispatcher(store, engine, batch_settings((4, 4), poll_interval_s=0.01))
     task = asyncio.create_task(dispatcher.run())
     while len(engine.executions) < 5:
         await asyncio.sleep(0.005)
@@ -242,7 +248,7 @@ async def test_run_stops_cleanly_and_resumes_later(db_path):
     recorded = store.get_batch(batch.id).request_counts.completed
     assert 5 <= recorded < 30 and store.backlog_stats().leased_lines == 0  # nothing left leased
     # A fresh dispatcher finishes the rest with no lease wait.
-    await BatchDispatcher(store, engine, poll_interval_s=0.01).run_until_idle()
+    await BatchDispatcher(store, engine, batch_settings(poll_interval_s=0.01)).run_until_idle()
     assert store.get_batch(batch.id).status == "completed" and len(engine.executions) == 30
     store.close()
 
@@ -256,7 +262,7 @@ async def test_lease_is_renewed_while_a_slow_line_runs(db_path):
         await asyncio.sleep(0.6)  # three lease lengths
         return ok(line)
 
-    dispatcher = BatchDispatcher(store, slow, lease_s=0.2, renew_interval_s=0.05, poll_interval_s=0.02)
+    dispatcher = BatchDispatcher(store, slow, batch_settings(lease_s=0.2, poll_interval_s=0.02), renew_interval_s=0.05)
     task = asyncio.create_task(dispatcher.run())
     for _ in range(10):
         await asyncio.sleep(0.06)
@@ -274,7 +280,7 @@ async def test_restart_finalizes_batch_whose_lines_were_all_recorded(db_path):
     batch = make_batch(store, 2)
     for line in store.claim_lines("old", 2, lease_s=30):
         store.complete_line(batch.id, line.line_no, ok(line))  # the old process died before finalizing
-    dispatcher = BatchDispatcher(store, FakeEngine(), poll_interval_s=0.01)
+    dispatcher = BatchDispatcher(store, FakeEngine(), batch_settings(poll_interval_s=0.01))
     task = asyncio.create_task(dispatcher.run())
     await asyncio.sleep(0.1)
     dispatcher.stop()
@@ -287,7 +293,7 @@ async def test_idle_dispatcher_claims_a_new_batch_when_notified_not_at_its_next_
     store = SqliteBatchStore(db_path)
     engine = FakeEngine()
     # A poll interval far longer than the test: only the notification can start the lines in time.
-    dispatcher = BatchDispatcher(store, engine, window=ConcurrencyWindow(4, 4), poll_interval_s=60)
+    dispatcher = BatchDispatcher(store, engine, batch_settings((4, 4), poll_interval_s=60))
     loop = asyncio.create_task(dispatcher.run())
     await asyncio.sleep(0.05)  # the loop has found nothing and is waiting
     batch = make_batch(store, 3)

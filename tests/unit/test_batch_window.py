@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 
 from app.batch.window import ConcurrencyWindow
+from app.config import BatchConfig
 
 TARGET = 0.1  # seconds per output token
+
+
+def make_window(min_size: int, max_size: int, *, slow_start: bool = False, interval_s: float = 1.0,
+                **knobs) -> ConcurrencyWindow:
+    """A window over the schema's batch settings with these bounds and TARGET; no slow start unless asked."""
+    settings = BatchConfig(window_min=min_size, window_max=max_size, target_latency_per_token_s=TARGET,
+                           window_interval_s=interval_s, window_slow_start=slow_start)
+    return ConcurrencyWindow(settings, **knobs)
 
 
 def feed(window: ConcurrencyWindow, start: float, duration: float, requests: int, tokens_each: int,
@@ -19,7 +28,7 @@ def feed(window: ConcurrencyWindow, start: float, duration: float, requests: int
 
 
 def test_starts_at_min_and_grows_by_one_while_throughput_improves():
-    window = ConcurrencyWindow(16, 32, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0)
+    window = make_window(16, 32, min_samples=4)
     assert window.size == 16
     now = 0.0
     sizes = []
@@ -33,7 +42,7 @@ def test_starts_at_min_and_grows_by_one_while_throughput_improves():
 
 
 def test_holds_when_throughput_plateaus():
-    window = ConcurrencyWindow(16, 32, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0)
+    window = make_window(16, 32, min_samples=4)
     now = feed(window, 0.0, 1.0, 10, 100, 0.05)
     assert window.update(now).reason == "grow"
     now = feed(window, now, 1.0, 10, 100, 0.05)  # same throughput
@@ -42,8 +51,7 @@ def test_holds_when_throughput_plateaus():
 
 
 def test_halves_on_latency_above_target_but_never_below_min():
-    window = ConcurrencyWindow(16, 32, initial_size=30, target_latency_per_token_s=TARGET, min_samples=4,
-                               interval_s=1.0)
+    window = make_window(16, 32, initial_size=30, min_samples=4)
     now = feed(window, 0.0, 1.0, 10, 100, 0.2)
     decision = window.update(now)
     assert (decision.reason, decision.size) == ("shrink", 16)
@@ -53,7 +61,7 @@ def test_halves_on_latency_above_target_but_never_below_min():
 
 
 def test_never_exceeds_max():
-    window = ConcurrencyWindow(16, 18, target_latency_per_token_s=TARGET, min_samples=1, interval_s=1.0)
+    window = make_window(16, 18, min_samples=1)
     now = 0.0
     for step in range(6):
         now = feed(window, now, 1.0, 5 + 5 * step, 100, 0.01)
@@ -63,7 +71,7 @@ def test_never_exceeds_max():
 
 def test_sawtooth_is_deterministic():
     def run() -> list[int]:
-        window = ConcurrencyWindow(16, 32, target_latency_per_token_s=TARGET, min_samples=2, interval_s=1.0)
+        window = make_window(16, 32, min_samples=2)
         now, sizes = 0.0, []
         # Latency rises with the window (an engine that starts queueing past ~24 in flight).
         for step in range(40):
@@ -79,7 +87,7 @@ def test_sawtooth_is_deterministic():
 
 
 def test_waits_for_enough_samples_and_interval():
-    window = ConcurrencyWindow(16, 32, min_samples=8, interval_s=5.0)
+    window = make_window(16, 32, min_samples=8, interval_s=5.0)
     window.record(1.0, 10, now=1.0)
     assert window.update_if_due(now=2.0) is None  # interval not over
     assert window.update_if_due(now=10.0).reason == "too_few_samples"
@@ -87,15 +95,14 @@ def test_waits_for_enough_samples_and_interval():
 
 
 def test_rejects_bad_bounds():
+    with pytest.raises(ValueError):  # the schema validates the bounds
+        BatchConfig(window_min=32, window_max=16)
     with pytest.raises(ValueError):
-        ConcurrencyWindow(32, 16)
-    with pytest.raises(ValueError):
-        ConcurrencyWindow(16, 32, decrease_factor=1.0)
+        make_window(16, 32, decrease_factor=1.0)
 
 
 def test_slow_start_doubles_until_throughput_stops_improving_then_adds_one():
-    window = ConcurrencyWindow(8, 64, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0,
-                               slow_start=True)
+    window = make_window(8, 64, min_samples=4, slow_start=True)
     now, sizes = 0.0, []
     for requests in (10, 12, 14):  # throughput rising: 8 -> 16 -> 32 -> 64
         now = feed(window, now, 1.0, requests, 100, 0.05)
@@ -112,8 +119,7 @@ def test_slow_start_doubles_until_throughput_stops_improving_then_adds_one():
 
 
 def test_slow_start_ends_on_the_first_shrink():
-    window = ConcurrencyWindow(16, 64, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0,
-                               slow_start=True)
+    window = make_window(16, 64, min_samples=4, slow_start=True)
     now = feed(window, 0.0, 1.0, 10, 100, 0.5)  # latency above target at once
     assert window.update(now).reason == "shrink" and window.slow_start is False
     now = feed(window, now, 1.0, 20, 100, 0.05)
@@ -121,8 +127,7 @@ def test_slow_start_ends_on_the_first_shrink():
 
 
 def test_restart_after_idle_measures_the_next_job_afresh():
-    window = ConcurrencyWindow(8, 64, target_latency_per_token_s=TARGET, min_samples=4, interval_s=1.0,
-                               slow_start=True)
+    window = make_window(8, 64, min_samples=4, slow_start=True)
     now = feed(window, 0.0, 1.0, 10, 100, 0.05)
     window.update(now)
     now = feed(window, now, 1.0, 4, 100, 0.05)  # the job's tail: throughput falls, slow start ends
