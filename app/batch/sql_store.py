@@ -46,7 +46,7 @@ class SqlBatchStore(SqlLineStore):
         return bytes(row[0])
 
     # --- batches -------------------------------------------------------------------------------------------------
-    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str = "24h",
+    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None = None) -> BatchRecord:
         try:
             shapes.check_endpoint(endpoint)

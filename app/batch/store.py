@@ -158,7 +158,7 @@ class BatchStore(abc.ABC):
 
     # Batches
     @abc.abstractmethod
-    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str = "24h",
+    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None = None) -> BatchRecord: ...
 
     @abc.abstractmethod

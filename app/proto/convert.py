@@ -37,6 +37,8 @@ REQUEST_CLASS_TO_PROTO: dict[str, int] = {name: number for number, name in REQUE
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+# A batch that names no completion window gets OpenAI's (the only one it documents), on both surfaces: the gRPC
+# SubmitBatch here and the HTTP Batches API (app.router.batch_api imports it).
 DEFAULT_BATCH_COMPLETION_WINDOW = "24h"
 
 

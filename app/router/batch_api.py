@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
+from app.proto.convert import DEFAULT_BATCH_COMPLETION_WINDOW
 from app.router import openai_api as api
 from app.router.endpoints import ENDPOINTS_BY_PATH
 from app.router.pipeline import RequestPipeline
@@ -29,7 +30,7 @@ BATCH_LANE_DOWN_MAX_WAIT_S = 600.0
 class CreateBatchRequest(BaseModel):
     input_file_id: str
     endpoint: str
-    completion_window: str = "24h"
+    completion_window: str = DEFAULT_BATCH_COMPLETION_WINDOW
     metadata: dict[str, str] | None = None
 
 

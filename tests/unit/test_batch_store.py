@@ -17,6 +17,7 @@ from tests.batch_store_backends import store_factory  # noqa: F401  (fixture)
 from tests.fakes import FakeClock
 
 ENDPOINT = "/v1/chat/completions"
+WINDOW = "24h"
 
 
 def chat_line(custom_id: str, text: str = "hello", max_tokens: int = 16) -> str:
@@ -32,7 +33,7 @@ def jsonl_bytes(lines: list[str]) -> bytes:
 def make_batch(store, n: int, **kwargs):
     content = jsonl_bytes([chat_line(f"req-{i}") for i in range(n)])
     input_file = store.create_file("batch", "input.jsonl", content)
-    return store.create_batch(input_file.id, ENDPOINT, **kwargs)
+    return store.create_batch(input_file.id, ENDPOINT, **{"completion_window": WINDOW, **kwargs})
 
 
 def ok_result(custom_id: str) -> dict:
@@ -58,19 +59,19 @@ def test_files_round_trip_and_unknown_ids(store_factory):
     with pytest.raises(NotFoundError):
         store.get_batch("batch_nope")
     with pytest.raises(NotFoundError):
-        store.create_batch("file-nope", ENDPOINT)
+        store.create_batch("file-nope", ENDPOINT, WINDOW)
 
 
 def test_create_batch_rejects_bad_arguments(store_factory):
     store = store_factory()
     good = store.create_file("batch", "in.jsonl", jsonl_bytes([chat_line("a")]))
     with pytest.raises(InvalidRequestError, match="endpoint"):
-        store.create_batch(good.id, "/v1/embeddings")
+        store.create_batch(good.id, "/v1/embeddings", WINDOW)
     with pytest.raises(InvalidRequestError, match="completion_window"):
         store.create_batch(good.id, ENDPOINT, completion_window="soon")
     other = store.create_file("assistants", "x.jsonl", jsonl_bytes([chat_line("a")]))
     with pytest.raises(InvalidRequestError, match="purpose"):
-        store.create_batch(other.id, ENDPOINT)
+        store.create_batch(other.id, ENDPOINT, WINDOW)
 
 
 def test_create_batch_queues_valid_lines_and_fails_bad_ones(store_factory):
@@ -87,7 +88,7 @@ def test_create_batch_queues_valid_lines_and_fails_bad_ones(store_factory):
         chat_line("b"),
     ]
     input_file = store.create_file("batch", "in.jsonl", jsonl_bytes(lines))
-    batch = store.create_batch(input_file.id, ENDPOINT, metadata={"job": "t1"})
+    batch = store.create_batch(input_file.id, ENDPOINT, WINDOW, metadata={"job": "t1"})
     assert batch.id.startswith("batch_")
     assert batch.status == "in_progress"
     assert batch.created_at == int(clock.now) and batch.expires_at == int(clock.now) + 24 * 3600
@@ -105,7 +106,7 @@ def test_full_lifecycle_writes_openai_output_and_error_files(store_factory):
     store = store_factory(clock=clock)
     input_file = store.create_file("batch", "in.jsonl", jsonl_bytes([chat_line("a"), "oops", chat_line("b"),
                                                                      chat_line("c")]))
-    batch = store.create_batch(input_file.id, ENDPOINT)
+    batch = store.create_batch(input_file.id, ENDPOINT, WINDOW)
     claimed = store.claim_lines("w1", 10, lease_s=30)
     assert [c.custom_id for c in claimed] == ["a", "b", "c"]
     assert all(c.attempts == 1 and c.url == ENDPOINT and c.body["model"] == "tiny" for c in claimed)
@@ -138,7 +139,7 @@ def test_full_lifecycle_writes_openai_output_and_error_files(store_factory):
 def test_all_lines_invalid_completes_at_once_with_error_file(store_factory):
     store = store_factory()
     input_file = store.create_file("batch", "in.jsonl", b"nope\n[1]\n")
-    batch = store.create_batch(input_file.id, ENDPOINT)
+    batch = store.create_batch(input_file.id, ENDPOINT, WINDOW)
     assert batch.status == "completed"
     assert batch.output_file_id is None and batch.error_file_id is not None
     assert batch.request_counts.failed == 2
@@ -147,7 +148,7 @@ def test_all_lines_invalid_completes_at_once_with_error_file(store_factory):
 def test_empty_file_fails_the_batch(store_factory):
     store = store_factory()
     input_file = store.create_file("batch", "in.jsonl", b"\n\n")
-    batch = store.create_batch(input_file.id, ENDPOINT)
+    batch = store.create_batch(input_file.id, ENDPOINT, WINDOW)
     assert batch.status == "failed" and batch.failed_at is not None
     assert batch.errors[0]["code"] == "empty_file"
     with pytest.raises(ConflictError):

@@ -15,7 +15,7 @@ def test_record_autoscaling_stats_reads_the_shared_store_and_the_engine(tmp_path
     lines = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                                   "body": {"model": "m", "prompt": "hello", "max_tokens": 10}}) for i in range(7))
     file = store.create_file("batch", "in.jsonl", lines.encode())
-    store.create_batch(file.id, "/v1/completions")
+    store.create_batch(file.id, "/v1/completions", "24h")
 
     replica = object.__new__(ColdLane.func_or_class)
     replica.cfg = SimpleNamespace(batch=SimpleNamespace(store=store_path))
