@@ -4,7 +4,7 @@ hot lane alone gives for a greedy request, with every token counted once. Its ow
 with serve_configs/gpu-single.yaml's Ray Serve replica settings (gRPC between replicas, user code
 and request routers on each replica's main loop), the combination that file ships. The hot lane has two replicas,
 one kept for realtime requests (admission.realtime_reserved_hot_replicas: 1), as
-load_tests/configs/gpu-single-rt-reserve.yaml has on the H200."""
+serve_configs/gpu-single.yaml has on the H200."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import httpx
 import pytest
