@@ -348,12 +348,16 @@ def summarize_samples(samples: Sequence[dict[str, Any]], hot_max_num_seqs: int) 
     # Below max_num_seqs on every answering replica, summed: the engines had free slots.
     idle = [v for v in held if v["hot_running"] < hot_max_num_seqs * max(1, v["hot_replicas"])]
     slot_views = [v["hot_slots"] for v in views if v.get("hot_slots")]
+    # Where the Router reports its hot slots: held back while the hot engines ran fewer than the Router's own
+    # interactive share of them (the rest of max_num_seqs is kept for realtime requests).
+    below_limit = [v for v in held if v.get("hot_slots") and v["hot_running"] < v["hot_slots"]["limit"]]
     return {
         "samples": len(samples),
         "answered": len(views),
         "with_interactive_held": len(held),
         "held_while_hot_below_max_num_seqs": len(idle),
         "held_while_hot_running_none": sum(1 for v in held if v["hot_running"] == 0),
+        "held_while_hot_below_slots_limit": len(below_limit) if slot_views else None,
         "hot_running_max": max((v["hot_running"] for v in views), default=None),
         "hot_running_mean": (sum(v["hot_running"] for v in views) / len(views)) if views else None,
         "hot_in_engine_max": max((v["hot_running"] + v["hot_waiting"] for v in views), default=None),
@@ -556,6 +560,7 @@ def headline(phases: dict[str, dict[str, Any]], limits: Limits) -> dict[str, Any
         "samples_interactive_held": stats.get("with_interactive_held"),
         "samples_held_while_hot_below_max_num_seqs": stats.get("held_while_hot_below_max_num_seqs"),
         "samples_held_while_hot_running_none": stats.get("held_while_hot_running_none"),
+        "samples_held_while_hot_below_slots_limit": stats.get("held_while_hot_below_slots_limit"),
         "hot_in_engine_max": stats.get("hot_in_engine_max"),
     }
 
@@ -630,6 +635,7 @@ STATS_ROWS: list[tuple[str, str]] = [
     ("samples with interactive requests held by the Router", "with_interactive_held"),
     ("... while the hot engines ran fewer than max_num_seqs", "held_while_hot_below_max_num_seqs"),
     ("... while the hot engines ran none", "held_while_hot_running_none"),
+    ("... while the hot engines ran fewer than router.hot_slots limit", "held_while_hot_below_slots_limit"),
     ("hot engines running: max", "hot_running_max"),
     ("hot engines running: mean", "hot_running_mean"),
     ("hot engines running + waiting: max", "hot_in_engine_max"),
@@ -680,7 +686,10 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"- idle hot lane: {_num(head['samples_held_while_hot_below_max_num_seqs'])} of "
               f"{_num(head['samples_interactive_held'])} samples with interactive requests held by the Router had the "
               f"hot engines below max_num_seqs ({_num(head['samples_held_while_hot_running_none'])} with none "
-              f"running); most in the hot engines at once: {_num(head['hot_in_engine_max'])}",
+              f"running"
+              + (f", {head['samples_held_while_hot_below_slots_limit']} below the Router's hot_slots limit"
+                 if head.get("samples_held_while_hot_below_slots_limit") is not None else "")
+              + f"); most in the hot engines at once: {_num(head['hot_in_engine_max'])}",
               f"- 5xx: {_num(head['server_errors_5xx'])}", ""]
     for name, phase in report["phases"].items():
         lines += [f"## {name}" + (f" ({phase['window_s']:.0f} s)" if phase.get("window_s") else ""), ""]

@@ -99,7 +99,8 @@ async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(ove
     burst_samples = [s for s in sampler.samples if s["phase"] == "burst" and 0 <= s["t"] - origin < BURST_S]
     stats = summarize_samples(burst_samples, limits.hot_max_num_seqs)
     figures = (f"interactive: {summary}\nflex: {flex_summary}\nstats: {stats}\n"
-               f"capacity {capacity}, {interactive_streams} interactive streams, SLO {slo_s} s")
+               f"capacity {capacity}, {interactive_streams} interactive streams, SLO {slo_s} s; this process "
+               f"on a CPU / waiting for one (s per s): {result.get('generator')}")
 
     # Nothing failed on the server's side; interactive requests were admitted or refused with 429, flex ones (the
     # batch class is queued, never refused for load) all admitted.

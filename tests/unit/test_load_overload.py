@@ -191,6 +191,8 @@ def test_idle_hot_lane_figure_counts_held_samples_with_free_hot_slots():
     assert summary["queued_interactive_max"] == 12
     assert summary["hot_slots_reported"] and summary["hot_slots_limit"] == 3
     assert summary["hot_slots_waiting_max"] == 2
+    assert summary["held_while_hot_below_slots_limit"] == 0  # the one sample with slots ran 4 >= its limit 3
+    assert summarize_samples(samples[:4], 4)["held_while_hot_below_slots_limit"] is None
     empty = summarize_samples([], 4)
     assert empty["with_interactive_held"] == 0 and empty["hot_running_max"] is None
 
