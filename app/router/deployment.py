@@ -151,7 +151,10 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         cold = self.lane_replicas.get(Lane.COLD.value)
         if Lane.COLD in self.lane_handles:
             self.dispatcher.set_replica_counts(cold if cold is not None else self.dispatcher.cold_replicas, routers)
-        if hot is not None:
+        if hot:
+            # No running hot replica (starting, or all down) leaves the shares as they were: requests sent to the
+            # hot lane then wait in Serve's handle for a replica, the breaker answers a lane that fails, and the
+            # shares are right again the moment a replica runs instead of one refresh later.
             self.control.set_replica_counts(hot=hot, cold=cold or 0, routers=routers)
 
     async def admin_stats(self) -> dict[str, Any]:
