@@ -86,7 +86,7 @@ class TrafficControl:
         return REALTIME_RETRY_AFTER_S
 
     def route(self, request_class: RequestClass, prompt_tokens: int, max_tokens: int, *,
-              has_stop_strings: bool = False, hot_refused_for_kv: bool = False,
+              has_stop_strings: bool = False, hot_refused_for_kv: bool = False, hot_wait_expired: bool = False,
               continuation: bool = False) -> RouteDecision | RouteRefusal:
         admission = self.cfg.admission
         open_breakers = {lane: b.retry_after_s() for lane, b in self.breakers.items()
@@ -103,6 +103,7 @@ class TrafficControl:
             hot_slots=HotSlotState(slots.free(), slots.predicted_wait_s()) if slots is not None else None,
             cold_spill_room=self.cold_spill is not None and self.cold_spill.free() > 0,
             hot_refused_for_kv=hot_refused_for_kv,
+            hot_wait_expired=hot_wait_expired,
             hot_kv_exhausted=self.clock() < self._hot_kv_exhausted_until,
             open_breakers=open_breakers,
             decode_handoff_tokens=admission.interactive_decode_handoff_tokens,
@@ -121,6 +122,12 @@ class TrafficControl:
 
     def allow(self, lane: Lane) -> bool:
         return self.breakers[lane].allow_request()
+
+    def hot_wait_budget_s(self, waited_s: float) -> float:
+        """How long an interactive request that has been at this Router `waited_s` may still wait for a hot slot:
+        what the TTFT target leaves after the time from a slot to the first token."""
+        start = self.hot_slots.start_latency_s() if self.hot_slots is not None else 0.0
+        return max(self.cfg.admission.interactive_ttft_slo_s - waited_s - start, 0.0)
 
     def timeout_s(self, request_class: RequestClass) -> float:
         return self.deadlines.timeout_s(request_class) if self.enabled else NO_DEADLINE_S

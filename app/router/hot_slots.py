@@ -33,6 +33,7 @@ class LaneSlots:
         self._holders: dict[int, float] = {}
         self._next_token = 0
         self._holds: deque[float] = deque(maxlen=hold_samples)
+        self._start_latencies: deque[float] = deque(maxlen=hold_samples)
         self._waiters = SlotWaiters()
 
     @property
@@ -57,6 +58,14 @@ class LaneSlots:
         if ages:
             candidates.append(sum(ages) / len(ages))
         return max(candidates) if candidates else None
+
+    def record_start_latency(self, seconds: float) -> None:
+        """Time from taking a slot to the request's first token on the lane (its prefill and the hops)."""
+        self._start_latencies.append(seconds)
+
+    def start_latency_s(self) -> float:
+        """Mean recent time from a slot to the first token; 0 before any is known."""
+        return sum(self._start_latencies) / len(self._start_latencies) if self._start_latencies else 0.0
 
     def predicted_wait_s(self, ahead: int | None = None) -> float:
         """Wait for a slot of a request joining the line behind `ahead` others (default: those waiting now).

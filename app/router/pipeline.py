@@ -194,8 +194,8 @@ class RequestPipeline:
 
     # ---- route -----------------------------------------------------------------------------------------------------
 
-    def route(self, context: RequestContext, *, hot_refused_for_kv: bool = False, continuation_tokens: int = 0,
-              max_tokens: int | None = None) -> RouteDecision:
+    def route(self, context: RequestContext, *, hot_refused_for_kv: bool = False, hot_wait_expired: bool = False,
+              continuation_tokens: int = 0, max_tokens: int | None = None) -> RouteDecision:
         """The one routing decision for this request (its first start, a hot replica's refusal, or the decode
         continuation), applied to the context. Raises OpenAIError for a refusal."""
         request = context.lane_request
@@ -203,7 +203,7 @@ class RequestPipeline:
             context.request_class, len(request.prompt_token_ids) + continuation_tokens,
             max_tokens if max_tokens is not None else context.max_tokens,
             has_stop_strings=bool(request.sampling.stop), hot_refused_for_kv=hot_refused_for_kv,
-            continuation=continuation_tokens > 0)
+            hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0)
         if isinstance(decision, RouteRefusal):
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
             error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")
@@ -267,6 +267,7 @@ class LaneCall:
         self._first: LaneChunk | None = None
         self._lane_done = False  # the current lane call's outcome is recorded
         self._slot: tuple[Any, int] | None = None  # (LaneSlots, token) held now
+        self._slot_taken_at = 0.0
         # Decode handoff: the hot part's tokens (the continuation's prompt suffix) and where the answer stands.
         self._handoff_after: int | None = None
         self._handed_off_ids: list[int] = []
@@ -306,18 +307,28 @@ class LaneCall:
             self._release_slot(record_hold=False)
             raise
         self.last = self._first
+        # A streamed request's first chunk is its first token (a non-streamed one's is its whole answer).
+        if self._slot is not None and self._slot[0] is self.control.hot_slots and self.context.lane_request.stream:
+            self.control.hot_slots.record_start_latency(time.monotonic() - self._slot_taken_at)
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
     async def _start_on(self, decision: RouteDecision) -> LaneChunk:
-        """Take the decision's slot (waiting for a hot slot within the deadline), then open the lane call."""
+        """Take the decision's slot (waiting for a hot slot as long as the TTFT target and the deadline allow; past
+        that, the request is decided again), then open the lane call."""
         self._lane_done = False
         if decision.takes_hot_slot:
             slots = self.control.hot_slots
+            waited_s = time.monotonic() - self.context.record.arrived_at
+            budget_s = self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot else self._remaining()
             try:
-                token = await asyncio.wait_for(slots.acquire(), timeout=self._remaining())
+                token = await asyncio.wait_for(slots.acquire(), timeout=min(budget_s, self._remaining()))
             except asyncio.TimeoutError:
-                raise self._deadline_error() from None
+                if self._remaining() <= 0:
+                    raise self._deadline_error() from None
+                decision = self.pipeline.route(self.context, hot_wait_expired=True)
+                return await self._start_on(decision)
             self._slot = (slots, token)
+            self._slot_taken_at = time.monotonic()
         elif decision.takes_cold_spill:
             self._slot = (self.control.cold_spill, self.control.cold_spill.take())
         if not self.control.allow(decision.lane):

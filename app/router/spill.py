@@ -14,7 +14,9 @@ The rule, in order:
    a. a hot replica refused this request for KV headroom, or one did a moment ago: the cold lane;
    b. a hot-lane slot of this Router is free: the hot lane, now;
    c. the predicted wait for a slot (from the slots in use and their recent hold times, `LaneSlots`) is within the
-      interactive TTFT SLO: the hot lane, after waiting in the Router for a slot;
+      interactive TTFT SLO: the hot lane, after waiting in the Router for a slot. The wait is bounded by what the SLO
+      leaves (a prediction can be wrong when the load changes): a request whose slot has not come by then is decided
+      again without this step;
    d. the cold lane has spill room: the cold lane;
    e. otherwise 429 with a Retry-After of the time until a slot is expected within the SLO.
    The Router never sends the hot engines more interactive work than they run at once, and never leaves a hot slot
@@ -86,6 +88,8 @@ class RouteInputs:
     cold_spill_room: bool = True
     # A hot replica refused this request for KV headroom (it keeps the reserve for realtime).
     hot_refused_for_kv: bool = False
+    # This request waited for a hot slot as long as its TTFT target allows, and none came free.
+    hot_wait_expired: bool = False
     # A hot replica refused another interactive request for KV headroom a moment ago.
     hot_kv_exhausted: bool = False
     # Lanes whose breaker refuses requests now, with the breaker's Retry-After in seconds.
@@ -144,14 +148,15 @@ def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, 
         reasons.append(REASON_KV_HEADROOM if inputs.hot_refused_for_kv else REASON_HOT_SATURATED)
         return Lane.COLD, False
     slots = inputs.hot_slots
-    if slots is None or slots.free > 0:
-        return Lane.HOT, False
-    if slots.predicted_wait_s <= inputs.interactive_ttft_slo_s:
-        return Lane.HOT, True
+    if not inputs.hot_wait_expired:
+        if slots is None or slots.free > 0:
+            return Lane.HOT, False
+        if slots.predicted_wait_s <= inputs.interactive_ttft_slo_s:
+            return Lane.HOT, True
     if cold_usable and inputs.cold_spill_room:
         reasons.append(REASON_HOT_SATURATED)
         return Lane.COLD, False
-    wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_slo_s)
+    wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_slo_s if slots is not None else 0)
     return RouteRefusal(429, "hot_lane_full",
                         f"the hot lane is full and its queue would not start this request within the "
                         f"{inputs.interactive_ttft_slo_s:g} s interactive TTFT target; retry in {wait} s",

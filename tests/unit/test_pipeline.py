@@ -72,11 +72,11 @@ def body(**fields) -> api.CompletionRequest:
 
 
 class Harness:
-    def __init__(self):
+    def __init__(self, **admission):
         self.clock = FakeClock()
         self.lanes = {"hot": HeldLane("hot"), "cold": HeldLane("cold")}
-        self.pipeline, _, self.metrics = make_pipeline(self.lanes, clock=self.clock, admission=ADMISSION,
-                                                       hot_lane=HOT_ENGINE)
+        self.pipeline, _, self.metrics = make_pipeline(self.lanes, clock=self.clock,
+                                                       admission={**ADMISSION, **admission}, hot_lane=HOT_ENGINE)
         self.slots = self.pipeline.control.hot_slots
         self.answers: list[asyncio.Task] = []
 
@@ -186,3 +186,19 @@ async def test_without_admission_the_pipeline_is_a_plain_pool():
     assert all(c.lane is Lane.HOT for c in calls) and lanes["hot"].peak == 20
     for call in calls:
         call.stream.cancel()
+
+
+async def test_a_request_whose_hot_slot_does_not_come_within_the_slo_is_decided_again():
+    h = Harness(interactive_ttft_slo_s=0.2)  # a short target, so the wait runs out in real time
+    for _ in range(4):
+        await h.start()
+    # No hold time is known yet: the prediction is 0 s and the request waits for the hot lane...
+    call = await asyncio.wait_for(h.start(), timeout=5)
+    # ...until what the target leaves runs out; then, decided again, it spills to the cold lane.
+    assert call.lane is Lane.COLD and call.headers()["x-llm-lanes-degraded"] == "hot_saturated"
+    assert h.slots.waiting == 0 and h.slots.in_flight == 4
+    h.pipeline.control.cold_spill.set_limit(0)
+    with pytest.raises(api.OpenAIError) as refused:
+        await asyncio.wait_for(h.start(), timeout=5)
+    assert refused.value.status == 429 and refused.value.code == "hot_lane_full"
+    await h.finish_all()

@@ -183,3 +183,11 @@ def test_input_validation():
         route(IA, max_tokens=0)
     with pytest.raises(ValueError):
         route(IA, prompt_tokens=-1)
+
+
+def test_a_request_whose_hot_wait_ran_out_spills_or_is_refused():
+    free = HotSlotState(free=2, predicted_wait_s=0.0)
+    spilled = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_slo_s=1.0)
+    assert spilled.lane is COLD and spilled.reasons == ("hot_saturated",)
+    refused = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_slo_s=1.0, cold_spill_room=False)
+    assert isinstance(refused, RouteRefusal) and refused.status == 429 and refused.retry_after_s == 1
