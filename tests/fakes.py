@@ -157,7 +157,7 @@ class RouterSurfaces(HttpApi, BatchApi, GrpcApi):
         self.lane_handles: dict[Lane, object] = {}
 
     async def admin_stats(self):
-        return await admin_document(self.lane_handles, self.prefix_cache, self.control, self.dispatcher)
+        return await admin_document(self.lane_handles, self.prefix_cache, self.pipeline, self.dispatcher)
 
 
 def make_pipeline(lanes: dict[str, FakeLane] | None = None, tracing_exporter: str | None = None,

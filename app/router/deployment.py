@@ -42,7 +42,7 @@ async def publish_router_gauges(batch_store, control: TrafficControl, metrics) -
         metrics.set_queue_depth(depth, request_class=request_class)
 
 
-async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, control: TrafficControl,
+async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: RequestPipeline,
                          dispatcher) -> dict[str, Any]:
     """GET /v1/admin/stats and gRPC GetStats: every lane replica's stats, the PrefixCache's, and this Router's."""
     async def ask(handle, method: str):
@@ -51,6 +51,7 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, control: T
         except Exception as error:
             return {"error": str(error)}
 
+    control = pipeline.control
     lanes = list(lane_handles)
     *live, prefix, registry = await asyncio.gather(
         *(ask(lane_handles[lane], "stats") for lane in lanes), ask(prefix_cache, "stats"),
@@ -64,6 +65,8 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, control: T
                    # This Router's share of the hot engines' slots for interactive requests, and of the cold
                    # lane's room for spilled ones: limit, in flight, waiting, peak, hold time.
                    **control.slot_stats(),
+                   # TTFT of this Router's recent streamed requests (arrival to first chunk), per class and lane.
+                   "ttft_ms": pipeline.recent_ttft.summary(),
                    # The window is per cold replica; this Router keeps its share of window x cold replicas.
                    "batch_window": dispatcher.window.size,
                    "batch_in_flight_limit": dispatcher.capacity,
@@ -158,7 +161,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
             self.control.set_replica_counts(hot=hot, cold=cold or 0, routers=routers)
 
     async def admin_stats(self) -> dict[str, Any]:
-        return await admin_document(self.lane_handles, self.prefix_cache, self.control, self.dispatcher)
+        return await admin_document(self.lane_handles, self.prefix_cache, self.pipeline, self.dispatcher)
 
     async def __del__(self):
         # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.

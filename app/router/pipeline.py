@@ -24,7 +24,7 @@ from app.router import openai_api as api
 from app.router.control import TrafficControl
 from app.router.endpoints import Endpoint
 from app.router.prompts import PromptTokenizer
-from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RequestRecord, reason_label
+from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RecentTtft, RequestRecord, reason_label
 from app.router.spill import RouteDecision, RouteRefusal
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class RequestPipeline:
         self.lanes = lanes
         self.metrics = metrics
         self.tracing = tracing
+        self.recent_ttft = RecentTtft()
         # One thread by default: long prompts are tokenized one at a time, never concurrently on the one tokenizer.
         self.tokenize_executor = tokenize_executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tokenize")
@@ -94,7 +95,8 @@ class RequestPipeline:
         return self.cfg.model.served_name
 
     def new_record(self, endpoint: Endpoint | None, carrier: Mapping[str, str] | None = None) -> RequestRecord:
-        return RequestRecord(self.metrics, self.tracing, carrier, endpoint.name if endpoint else "internal")
+        return RequestRecord(self.metrics, self.tracing, carrier, endpoint.name if endpoint else "internal",
+                             recent_ttft=self.recent_ttft)
 
     # ---- prepare -------------------------------------------------------------------------------------------------
 
@@ -310,6 +312,7 @@ class LaneCall:
         # A streamed request's first chunk is its first token (a non-streamed one's is its whole answer).
         if self._slot is not None and self._slot[0] is self.control.hot_slots and self.context.lane_request.stream:
             self.control.hot_slots.record_start_latency(time.monotonic() - self._slot_taken_at)
+        self._lane_finished_with(self._first)
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
     async def _start_on(self, decision: RouteDecision) -> LaneChunk:
@@ -377,6 +380,7 @@ class LaneCall:
                                   else CLIENT_CLOSED_STATUS, self._output_tokens())
                     raise converted from None
                 self.last = chunk
+                self._lane_finished_with(chunk)
                 yield chunk
             self._end_lane_call(ok=True, e2e_s=time.monotonic() - self.started_at)
             record.succeeded(self._output_tokens())
@@ -427,6 +431,12 @@ class LaneCall:
 
     def _output_tokens(self) -> int:
         return self.last.completion_tokens if self.last is not None else 0
+
+    def _lane_finished_with(self, chunk: LaneChunk) -> None:
+        """The lane sent its last chunk: its engine slot is free now, whenever the client reads the rest (a slow
+        reader must not keep an idle engine slot taken)."""
+        if chunk.finish_reason is not None:
+            self._release_slot(record_hold=True)
 
     def _release_slot(self, record_hold: bool) -> None:
         if self._slot is not None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Mapping
 
 from app.classes import RequestClass
 from app.observability.metrics import LANE_NONE, tpot_seconds
+from app.observability.percentile import percentile
 from app.observability.tracing import SPAN_QUEUE_WAIT, SPAN_REQUEST, Tracing
 
 # nginx's "client closed request": the outcome of a request whose client went away before it finished.
@@ -16,6 +18,32 @@ CLIENT_CLOSED_STATUS = 499
 UNKNOWN_CLASS = "unknown"
 # A shared do-nothing context manager: the span helpers' answer when tracing is off (nothing allocated).
 _NO_SPAN = contextlib.nullcontext()
+
+
+# Recent TTFTs kept per class and lane for the admin stats: enough for a p99, few enough to follow the load.
+RECENT_TTFT_SAMPLES = 512
+
+
+class RecentTtft:
+    """This Router's last TTFTs (streamed requests, arrival to first chunk) per class and lane, as p50 / p99 for
+    `/v1/admin/stats`: what the Router itself measured, free of any client's own delays. The histogram metric
+    (llm_lanes_ttft_seconds) is the long-run record; this is the recent window."""
+
+    def __init__(self, size: int = RECENT_TTFT_SAMPLES):
+        self.size = size
+        self._samples: dict[tuple[str, str], deque[float]] = {}
+
+    def add(self, request_class: str, lane: str, seconds: float) -> None:
+        self._samples.setdefault((request_class, lane), deque(maxlen=self.size)).append(seconds)
+
+    def summary(self) -> dict[str, dict[str, dict[str, float | int]]]:
+        summary: dict[str, dict[str, dict[str, float | int]]] = {}
+        for (request_class, lane), samples in sorted(self._samples.items()):
+            values = list(samples)
+            summary.setdefault(request_class, {})[lane] = {
+                "p50_ms": round(percentile(values, 50) * 1000, 1), "p99_ms": round(percentile(values, 99) * 1000, 1),
+                "count": len(values)}
+        return summary
 
 
 def outcome_for_status(status: int) -> str:
@@ -47,8 +75,9 @@ class RequestRecord:
     """
 
     def __init__(self, metrics, tracing: Tracing, carrier: Mapping[str, str] | None, kind: str,
-                 clock=time.monotonic):
+                 clock=time.monotonic, recent_ttft: RecentTtft | None = None):
         self.metrics = metrics
+        self.recent_ttft = recent_ttft
         self.tracing = tracing
         self.clock = clock
         self.arrived_at = clock()
@@ -92,6 +121,8 @@ class RequestRecord:
             return
         self.ttft_s = now - self.arrived_at
         self.metrics.observe_ttft(self.ttft_s, lane=self.lane, request_class=self.request_class)
+        if self.recent_ttft is not None:
+            self.recent_ttft.add(str(getattr(self.request_class, "value", self.request_class)), self.lane, self.ttft_s)
         if self._admitted_at is not None:
             self.metrics.observe_queue_wait(now - self._admitted_at, request_class=self.request_class)
 

@@ -202,3 +202,26 @@ async def test_a_request_whose_hot_slot_does_not_come_within_the_slo_is_decided_
         await asyncio.wait_for(h.start(), timeout=5)
     assert refused.value.status == 429 and refused.value.code == "hot_lane_full"
     await h.finish_all()
+
+
+async def test_the_slot_is_free_when_the_lane_has_sent_its_last_chunk_not_when_the_client_has_read_it():
+    h = Harness()
+    call = await h.pipeline.start(COMPLETION, body(stream=True))
+    chunks = call.chunks()
+    assert (await anext(chunks)).text == "a" and h.slots.in_flight == 1
+    h.lanes["hot"].finish_one()
+    last = await anext(chunks)  # the lane's last chunk, handed to a client that has not read past it
+    assert last.finish_reason == "length" and h.slots.in_flight == 0
+    await chunks.aclose()
+
+
+async def test_the_router_keeps_its_recent_ttft_per_class_and_lane():
+    h = Harness()
+    for _ in range(3):
+        call = await h.pipeline.start(COMPLETION, body(stream=True))
+        h.answers.append(asyncio.create_task(h.pipeline.collect(call)))
+    await h.start(stream=False)  # a whole answer at once has no TTFT of its own
+    summary = h.pipeline.recent_ttft.summary()
+    assert list(summary) == ["interactive"] and summary["interactive"]["hot"]["count"] == 3
+    assert 0 <= summary["interactive"]["hot"]["p50_ms"] <= summary["interactive"]["hot"]["p99_ms"]
+    await h.finish_all()
