@@ -258,8 +258,10 @@ class AdmissionConfig(StrictModel):
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
     # Interactive requests each cold-lane replica takes on top of its batch work when the hot lane is full (they
-    # run there at interactive priority, ahead of batch). 0: the hot lane's queue or a 429 instead.
-    cold_spill_slots_per_replica: int = Field(8, ge=0)
+    # run there at interactive priority, ahead of batch). None: an eighth of the cold engine's max_num_seqs (at
+    # least 1): more would make the batch engine's steps, and so the spilled requests' first tokens, slow. 0: the
+    # hot lane's queue or a 429 instead.
+    cold_spill_slots_per_replica: int | None = Field(None, ge=0)
     # An interactive request on the hot lane generates this many tokens there (its time to first token), then the
     # cold lane decodes the rest at interactive priority, in its large batch steps (app/router/handoff.py). The hot
     # lane then spends no steps on interactive decode, which is what it costs the batch work on a shared GPU; the

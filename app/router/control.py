@@ -25,6 +25,9 @@ from app.router.spill import HotSlotState, RouteDecision, RouteInputs, RouteRefu
 HOT_KV_EXHAUSTED_MEMORY_S = 1.0
 # A plain pool (admission off) has no deadlines: a baseline must show its queueing as latency.
 NO_DEADLINE_S = 24 * 3600.0
+# Without admission.cold_spill_slots_per_replica, spilled interactive requests may take this fraction (1/N) of a
+# cold engine's sequences.
+COLD_SPILL_SHARE_OF_SEQUENCES = 8
 # Retry-After for a full realtime queue: realtime requests are short and the hot replicas' gate serves them first.
 REALTIME_RETRY_AFTER_S = 1
 
@@ -35,6 +38,14 @@ def share(per_replica: int, replicas: int, routers: int) -> int:
     if per_replica <= 0 or replicas <= 0:
         return 0
     return math.ceil(per_replica * replicas / max(routers, 1))
+
+
+def cold_spill_slots_per_replica(cfg: AppConfig) -> int:
+    """admission.cold_spill_slots_per_replica, or its default: an eighth of the cold engine's sequences."""
+    configured = cfg.admission.cold_spill_slots_per_replica
+    if configured is not None or cfg.cold_lane is None:
+        return configured or 0
+    return max(cfg.cold_lane.engine.max_num_seqs // COLD_SPILL_SHARE_OF_SEQUENCES, 1)
 
 
 class TrafficControl:
@@ -70,7 +81,7 @@ class TrafficControl:
         per_hot = sequences if reserved else max(sequences - admission.realtime_max_inflight, 1)
         interactive_hot = max(hot - reserved, 1) if hot > 0 else 0
         self.hot_slots.set_limit(share(per_hot, interactive_hot, routers))
-        self.cold_spill.set_limit(share(admission.cold_spill_slots_per_replica, cold, routers))
+        self.cold_spill.set_limit(share(cold_spill_slots_per_replica(self.cfg), cold, routers))
 
     # ---- arrival ----------------------------------------------------------------------------------------------
 
