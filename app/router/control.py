@@ -98,7 +98,8 @@ class TrafficControl:
 
     def route(self, request_class: RequestClass, prompt_tokens: int, max_tokens: int, *,
               has_stop_strings: bool = False, hot_refused_for_kv: bool = False, hot_wait_expired: bool = False,
-              continuation: bool = False) -> RouteDecision | RouteRefusal:
+              continuation: bool = False, waited_s: float = 0.0) -> RouteDecision | RouteRefusal:
+        """The routing decision from the present state; `waited_s`: how long the request has been at the Router."""
         admission = self.cfg.admission
         open_breakers = {lane: b.retry_after_s() for lane, b in self.breakers.items()
                          if b.state is BreakerState.OPEN}
@@ -111,8 +112,10 @@ class TrafficControl:
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
             interactive_ttft_slo_s=admission.interactive_ttft_slo_s,
-            hot_slots=HotSlotState(slots.free(), slots.predicted_wait_s()) if slots is not None else None,
-            cold_spill_room=self.cold_spill is not None and self.cold_spill.free() > 0,
+            # The wait for a slot plus the time from a slot to the first token, against the TTFT target.
+            hot_slots=(HotSlotState(slots.free(), slots.predicted_wait_s() + slots.start_latency_s())
+                       if slots is not None else None),
+            cold_spill_room=self._cold_spill_room(waited_s),
             hot_refused_for_kv=hot_refused_for_kv,
             hot_wait_expired=hot_wait_expired,
             hot_kv_exhausted=self.clock() < self._hot_kv_exhausted_until,
@@ -121,6 +124,14 @@ class TrafficControl:
             has_stop_strings=has_stop_strings,
             continuation=continuation,
         ))
+
+    def _cold_spill_room(self, waited_s: float) -> bool:
+        """Room for one more spilled interactive request, whose first token the cold lane's recent start times say
+        would come within the TTFT target."""
+        spill = self.cold_spill
+        if spill is None or spill.free() <= 0:
+            return False
+        return waited_s + spill.start_latency_s() <= self.cfg.admission.interactive_ttft_slo_s
 
     def may_spill(self, request_class: RequestClass, lane: Lane) -> bool:
         """May a hot replica send this request back for the cold lane (KV headroom) instead of waiting?"""

@@ -17,8 +17,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from app.observability.percentile import percentile
 from app.router.slot_waiters import SlotWaiters
 
+START_LATENCY_PERCENTILE = 90
 # Hold times kept for the prediction: enough to smooth one slow request, few enough to follow a change of load.
 HOLD_TIME_SAMPLES = 32
 
@@ -64,8 +66,9 @@ class LaneSlots:
         self._start_latencies.append(seconds)
 
     def start_latency_s(self) -> float:
-        """Mean recent time from a slot to the first token; 0 before any is known."""
-        return sum(self._start_latencies) / len(self._start_latencies) if self._start_latencies else 0.0
+        """Recent time from a slot to the first token, at its 90th percentile (a target on the TTFT's tail needs
+        the tail of this part of it); 0 before any is known."""
+        return percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
 
     def predicted_wait_s(self, ahead: int | None = None) -> float:
         """Wait for a slot of a request joining the line behind `ahead` others (default: those waiting now).

@@ -205,7 +205,8 @@ class RequestPipeline:
             context.request_class, len(request.prompt_token_ids) + continuation_tokens,
             max_tokens if max_tokens is not None else context.max_tokens,
             has_stop_strings=bool(request.sampling.stop), hot_refused_for_kv=hot_refused_for_kv,
-            hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0)
+            hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0,
+            waited_s=time.monotonic() - context.record.arrived_at)
         if isinstance(decision, RouteRefusal):
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
             error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")
@@ -310,8 +311,8 @@ class LaneCall:
             raise
         self.last = self._first
         # A streamed request's first chunk is its first token (a non-streamed one's is its whole answer).
-        if self._slot is not None and self._slot[0] is self.control.hot_slots and self.context.lane_request.stream:
-            self.control.hot_slots.record_start_latency(time.monotonic() - self._slot_taken_at)
+        if self._slot is not None and self.context.lane_request.stream:
+            self._slot[0].record_start_latency(time.monotonic() - self._slot_taken_at)
         self._lane_finished_with(self._first)
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
@@ -334,6 +335,7 @@ class LaneCall:
             self._slot_taken_at = time.monotonic()
         elif decision.takes_cold_spill:
             self._slot = (self.control.cold_spill, self.control.cold_spill.take())
+            self._slot_taken_at = time.monotonic()
         if not self.control.allow(decision.lane):
             raise api.OpenAIError(503, f"the {decision.lane.value} lane is failing; retry shortly", type="server_error",
                                   code=f"{decision.lane.value}_breaker_open", headers={"Retry-After": "1"})
