@@ -351,6 +351,8 @@ def summarize_samples(samples: Sequence[dict[str, Any]], hot_max_num_seqs: int) 
     # Where the Router reports its hot slots: held back while the hot engines ran fewer than the Router's own
     # interactive share of them (the rest of max_num_seqs is kept for realtime requests).
     below_limit = [v for v in held if v.get("hot_slots") and v["hot_running"] < v["hot_slots"]["limit"]]
+    # Requests waiting in the Router for a hot slot (not those on their way to an engine or in their prefill).
+    waiting_for_hot = [v for v in views if v.get("hot_slots") and v["hot_slots"]["waiting"] > 0]
     return {
         "samples": len(samples),
         "answered": len(views),
@@ -358,6 +360,9 @@ def summarize_samples(samples: Sequence[dict[str, Any]], hot_max_num_seqs: int) 
         "held_while_hot_below_max_num_seqs": len(idle),
         "held_while_hot_running_none": sum(1 for v in held if v["hot_running"] == 0),
         "held_while_hot_below_slots_limit": len(below_limit) if slot_views else None,
+        "with_waiting_for_hot_slot": len(waiting_for_hot) if slot_views else None,
+        "waiting_for_hot_slot_while_hot_running_none": (sum(1 for v in waiting_for_hot if v["hot_running"] == 0)
+                                                        if slot_views else None),
         "hot_running_max": max((v["hot_running"] for v in views), default=None),
         "hot_running_mean": (sum(v["hot_running"] for v in views) / len(views)) if views else None,
         "hot_in_engine_max": max((v["hot_running"] + v["hot_waiting"] for v in views), default=None),

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from app.observability.percentile import percentile
 from app.router.slot_waiters import SlotWaiters
 
-START_LATENCY_PERCENTILE = 90
+START_LATENCY_PERCENTILE = 99
 # Hold times kept for the prediction: enough to smooth one slow request, few enough to follow a change of load.
 HOLD_TIME_SAMPLES = 32
 
@@ -66,7 +66,7 @@ class LaneSlots:
         self._start_latencies.append(seconds)
 
     def start_latency_s(self) -> float:
-        """Recent time from a slot to the first token, at its 90th percentile (a target on the TTFT's tail needs
+        """Recent time from a slot to the first token, at its 99th percentile (a target on the TTFT's tail needs
         the tail of this part of it); 0 before any is known."""
         return percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
 

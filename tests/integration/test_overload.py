@@ -126,10 +126,13 @@ async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(ove
     assert hot_served > 0, figures
     assert summary["hot_share"] > 0.5 or summary["hot_in_flight_mean"] >= 0.5 * max(1, slots), figures
 
-    # Never far more in the hot engines than they run, and not idle while the Router holds interactive requests.
-    assert stats["hot_in_engine_max"] is not None and stats["hot_in_engine_max"] <= 2 * capacity, figures
-    if stats["with_interactive_held"] >= 3:
-        assert stats["held_while_hot_running_none"] <= 0.25 * stats["with_interactive_held"], figures
+    # Never more in the hot engines than they run at once, and not idle while requests wait in the Router for a
+    # hot slot (a sample catches the engine between two requests at times: the hops to it take a while here).
+    assert stats["hot_in_engine_max"] is not None and stats["hot_in_engine_max"] <= capacity, figures
+    assert stats["hot_slots_reported"], figures
+    if stats["with_waiting_for_hot_slot"] >= 3:
+        assert (stats["waiting_for_hot_slot_while_hot_running_none"]
+                <= 0.25 * stats["with_waiting_for_hot_slot"]), figures
 
     # Those refused were told when to come back.
     refused = [r for r in interactive if r.status == 429]

@@ -192,7 +192,10 @@ def test_idle_hot_lane_figure_counts_held_samples_with_free_hot_slots():
     assert summary["hot_slots_reported"] and summary["hot_slots_limit"] == 3
     assert summary["hot_slots_waiting_max"] == 2
     assert summary["held_while_hot_below_slots_limit"] == 0  # the one sample with slots ran 4 >= its limit 3
+    assert summary["with_waiting_for_hot_slot"] == 1 and summary["waiting_for_hot_slot_while_hot_running_none"] == 0
     assert summarize_samples(samples[:4], 4)["held_while_hot_below_slots_limit"] is None
+    idle = [{"t": 1, "view": stats_view(admin_stats(0, 0, 3, slots={"limit": 2, "in_flight": 2, "waiting": 1}))}]
+    assert summarize_samples(idle, 4)["waiting_for_hot_slot_while_hot_running_none"] == 1
     empty = summarize_samples([], 4)
     assert empty["with_interactive_held"] == 0 and empty["hot_running_max"] is None
 
