@@ -325,6 +325,7 @@ def stats_view(stats: Any) -> dict[str, Any] | None:
     router = stats.get("router") if isinstance(stats.get("router"), dict) else {}
     queued = router.get("queued_by_class") if isinstance(router.get("queued_by_class"), dict) else {}
     slots = router.get("hot_slots")
+    ttft = router.get("ttft_ms") if isinstance(router.get("ttft_ms"), dict) else {}
     return {
         "hot_replicas": len(hot),
         "hot_running": sum(_int(e.get("running")) for e in hot),
@@ -332,6 +333,8 @@ def stats_view(stats: Any) -> dict[str, Any] | None:
         "queued_interactive": _int(queued.get("interactive")),
         "hot_slots": ({k: _int(slots.get(k)) for k in ("limit", "in_flight", "waiting")}
                       if isinstance(slots, dict) else None),
+        # The Router's own TTFT of its recent interactive requests per lane ({"p50_ms", "p99_ms", "count"}).
+        "router_ttft_interactive": ttft.get("interactive") if isinstance(ttft.get("interactive"), dict) else None,
     }
 
 
@@ -371,6 +374,9 @@ def summarize_samples(samples: Sequence[dict[str, Any]], hot_max_num_seqs: int) 
         "hot_slots_limit": slot_views[-1]["limit"] if slot_views else None,
         "hot_slots_in_flight_max": max((s["in_flight"] for s in slot_views), default=None),
         "hot_slots_waiting_max": max((s["waiting"] for s in slot_views), default=None),
+        # The Router's recent interactive TTFT as of the phase's last sample that reports it.
+        "router_ttft_interactive": next((v["router_ttft_interactive"] for v in reversed(views)
+                                         if v.get("router_ttft_interactive")), None),
     }
 
 
@@ -567,6 +573,9 @@ def headline(phases: dict[str, dict[str, Any]], limits: Limits) -> dict[str, Any
         "samples_held_while_hot_running_none": stats.get("held_while_hot_running_none"),
         "samples_held_while_hot_below_slots_limit": stats.get("held_while_hot_below_slots_limit"),
         "hot_in_engine_max": stats.get("hot_in_engine_max"),
+        "samples_waiting_for_hot_slot": stats.get("with_waiting_for_hot_slot"),
+        "samples_waiting_for_hot_slot_while_hot_running_none": stats.get("waiting_for_hot_slot_while_hot_running_none"),
+        "router_ttft_interactive": stats.get("router_ttft_interactive"),
     }
 
 
@@ -695,6 +704,13 @@ def render_markdown(report: dict[str, Any]) -> str:
               + (f", {head['samples_held_while_hot_below_slots_limit']} below the Router's hot_slots limit"
                  if head.get("samples_held_while_hot_below_slots_limit") is not None else "")
               + f"); most in the hot engines at once: {_num(head['hot_in_engine_max'])}",
+              *([f"- waiting in the Router for a hot slot in {head['samples_waiting_for_hot_slot']} samples, "
+                 f"{head['samples_waiting_for_hot_slot_while_hot_running_none']} of them with the hot engines "
+                 "running none"] if head.get("samples_waiting_for_hot_slot") is not None else []),
+              *([f"- the Router's own interactive TTFT p50 / p99 (ms), recent window at the burst's end: "
+                 + ", ".join(f"{lane} {_num(v['p50_ms'])} / {_num(v['p99_ms'])} ({v['count']})"
+                             for lane, v in sorted(head["router_ttft_interactive"].items()))]
+                if head.get("router_ttft_interactive") else []),
               f"- 5xx: {_num(head['server_errors_5xx'])}", ""]
     for name, phase in report["phases"].items():
         lines += [f"## {name}" + (f" ({phase['window_s']:.0f} s)" if phase.get("window_s") else ""), ""]

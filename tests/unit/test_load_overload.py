@@ -164,7 +164,12 @@ def admin_stats(running, waiting, queued, slots=None, replicas=1):
 def test_stats_view_reads_hot_engines_router_queue_and_optional_hot_slots():
     view = stats_view(admin_stats(3, 1, 5, replicas=2))
     assert view == {"hot_replicas": 2, "hot_running": 6, "hot_waiting": 2, "queued_interactive": 5,
-                    "hot_slots": None}
+                    "hot_slots": None, "router_ttft_interactive": None}
+    ttft = {"hot": {"p50_ms": 80.0, "p99_ms": 900.0, "count": 40}}
+    with_ttft = admin_stats(2, 0, 0)
+    with_ttft["router"]["ttft_ms"] = {"interactive": ttft}
+    assert stats_view(with_ttft)["router_ttft_interactive"] == ttft
+    assert summarize_samples([{"t": 1, "view": stats_view(with_ttft)}], 4)["router_ttft_interactive"] == ttft
     view = stats_view(admin_stats(2, 0, 0, slots={"limit": 28, "in_flight": 28, "waiting": 7}))
     assert view["hot_slots"] == {"limit": 28, "in_flight": 28, "waiting": 7}
     assert interactive_held(view) == 7
