@@ -461,12 +461,12 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
 
     def lane_request(index: int, phase: str) -> LaneRequest:
         # What the Router builds for a streamed interactive /v1/completions request on the hot lane
-        # (app/router/http.py _prepare, then Generation: priority from the route, may_spill for interactive).
+        # (app/router/pipeline.py: RequestPipeline.prepare, then LaneCall: priority from the route, may_spill).
         return LaneRequest(
             request_id=f"overhead-{phase}-{index}",
             prompt_token_ids=tokenizer.encode(prompt(index), add_special_tokens=False),
             sampling=SamplingOptions(max_tokens=settings.max_tokens, ignore_eos=True),
-            request_class=REQUEST_CLASS,
+            request_class=RequestClass(REQUEST_CLASS),
             priority=priority,
             stream=True,
             may_spill=True,
