@@ -16,7 +16,7 @@ from typing import Any
 
 from app.config import AppConfig, EngineSettings
 from app.lanes.cpu_priority import parse_cpu_list, pin_process, renice_process_tree
-from app.lanes.types import EngineStats, LaneChunk, LaneRequest
+from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneRequestInvalid
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,34 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
         args["compilation_config"] = {**(args.get("compilation_config") or {}),
                                       "max_cudagraph_capture_size": settings.cuda_graph_max_tokens}
     return args
+
+
+# What vLLM raises for a request it will not take, besides its own client errors: its checks' ValueError and
+# TypeError, and its transport's refusal of a value (OverflowError for an integer past 64 bits, UnicodeEncodeError, a
+# ValueError, for a string that is not UTF-8).
+_REQUEST_VALUE_ERRORS = (ValueError, TypeError, OverflowError)
+
+
+def request_invalid(error: BaseException) -> LaneRequestInvalid | None:
+    """vLLM's refusal of a request, raised while the request is built or added (before any token), as the client's
+    error; None for anything else, which is the engine's failure."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    if isinstance(error, EngineGenerateError) and error.__cause__ is not None:
+        # AsyncLLM wraps an error it did not expect while adding the request (its transport's, say): judge the cause.
+        error = error.__cause__
+    if isinstance(error, VLLMClientError):
+        return LaneRequestInvalid(_printable(error.args[0] if error.args else error),
+                                  getattr(error, "parameter", None))
+    if isinstance(error, _REQUEST_VALUE_ERRORS):
+        return LaneRequestInvalid(_printable(error))
+    return None
+
+
+def _printable(message: object) -> str:
+    # The message goes back to the client as JSON: a lone surrogate in it would fail the response's encoding.
+    return str(message).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @contextmanager
@@ -190,31 +218,40 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         options = request.sampling
-        params = SamplingParams(
-            max_tokens=options.max_tokens,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            stop=list(options.stop) or None,
-            seed=options.seed,
-            ignore_eos=options.ignore_eos,
-            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
-        )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         completion_tokens = 0
         base = LaneChunk(text="", completion_tokens=0, prompt_tokens=len(request.prompt_token_ids),
                          replica_id=self.replica_id, lane=self.lane)
-        # AsyncLLM aborts the engine request itself when this generator is cancelled or closed (client gone).
-        async for output in self._engine.generate(prompt, params, request.request_id, priority=request.priority):
-            completion = output.outputs[0]
-            completion_tokens += len(completion.token_ids)
-            yield replace(
-                base,
-                text=completion.text,
-                completion_tokens=completion_tokens,
-                cached_prompt_tokens=output.num_cached_tokens or 0,
-                token_ids=tuple(completion.token_ids) if request.return_token_ids else (),
-                finish_reason=completion.finish_reason if output.finished else None,
+        produced = False
+        try:
+            params = SamplingParams(
+                max_tokens=options.max_tokens,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                stop=list(options.stop) or None,
+                seed=options.seed,
+                ignore_eos=options.ignore_eos,
+                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
             )
+            # AsyncLLM aborts the engine request itself when this generator is cancelled or closed (client gone).
+            async for output in self._engine.generate(prompt, params, request.request_id, priority=request.priority):
+                produced = True
+                completion = output.outputs[0]
+                completion_tokens += len(completion.token_ids)
+                yield replace(
+                    base,
+                    text=completion.text,
+                    completion_tokens=completion_tokens,
+                    cached_prompt_tokens=output.num_cached_tokens or 0,
+                    token_ids=tuple(completion.token_ids) if request.return_token_ids else (),
+                    finish_reason=completion.finish_reason if output.finished else None,
+                )
+        except Exception as error:
+            # Only a refusal before the first output is the request's fault; anything later is the engine's.
+            invalid = None if produced else request_invalid(error)
+            if invalid is None:
+                raise
+            raise invalid from error
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

@@ -44,6 +44,22 @@ class LaneSaturated(Exception):
         self.reason = reason
 
 
+class LaneRequestInvalid(Exception):
+    """Raised by a lane when its engine refuses the request itself (a sampling value or prompt it cannot take),
+    before any token: the client's error (400 naming `param`), not the lane's, so no breaker counts it.
+
+    It crosses Ray from the replica to the Router, so it pickles by its own arguments; Ray's wrapper reads
+    `message` and `param` through to it (str() of the wrapper is Ray's traceback)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self):
+        return (LaneRequestInvalid, (self.message, self.param))
+
+
 @dataclass
 class LaneChunk:
     """One streamed piece of a generation. Token counts are cumulative so the last chunk carries the usage."""

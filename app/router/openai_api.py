@@ -26,6 +26,32 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# The seed range vLLM's own server accepts (a signed 64-bit integer); past 64 bits the engine's transport refuses it.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """True if a string anywhere in `value` (str, or lists and dicts of them) holds a lone surrogate: JSON's \\ud800
+    escapes parse into one, and it is no text: no tokenizer, template or UTF-8 encoder takes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_lone_surrogate(v) for v in value)
+    return False
+
+
+def _text_only(value: Any) -> Any:
+    if has_lone_surrogate(value):
+        raise ValueError("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+    return value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -39,7 +65,7 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -54,6 +80,19 @@ class _SamplingFields(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # The engine refuses an empty stop string (it would stop before the first character).
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop strings must not be empty")
+        return _text_only(stop)
+
+    @field_validator("model", "service_tier")
+    @classmethod
+    def _names_are_text(cls, value: str | None) -> str | None:
+        return _text_only(value)
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -66,6 +105,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_is_text(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        return _text_only(content)
 
     def text(self) -> str:
         if self.content is None:
@@ -96,6 +140,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_text(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        return _text_only(prompt)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -172,13 +221,26 @@ def completion_chunk(request_id: str, model: str, text: str, finish_reason: str 
     }
 
 
+# pydantic's errors for a value of the right type that is refused (out of range, not supported): 400, as vLLM's server
+# answers; any other validation error (a wrong type, a missing field) is 422.
+REFUSED_VALUE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                                  "finite_number", "value_error", "too_short", "too_long"})
+# The names pydantic gives a union's branches in an error's location (`stop.list[str]`): not parameters.
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _UNION_BRANCHES))]
+    return ".".join(parts) or None
+
+
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     """pydantic/FastAPI validation errors -> one OpenAI error naming the first offending parameter."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                            code="invalid_json")
-    param = ".".join(loc) or None
+    param = _param(tuple(first.get("loc", ())))
     message = first["msg"].removeprefix("Value error, ")
-    return OpenAIError(422, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+    status = 400 if first.get("type") in REFUSED_VALUE_ERRORS else 422
+    return OpenAIError(status, f"{param}: {message}" if param else message, param=param, code="invalid_value")

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from app.classes import Lane, RequestClass, UnknownRequestClass, classify, policy_for
 from app.config import AppConfig
-from app.lanes.types import LaneChunk, LaneRequest, LaneSaturated, SamplingOptions
+from app.lanes.types import LaneChunk, LaneRequest, LaneRequestInvalid, LaneSaturated, SamplingOptions
 from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tracing
 from app.router import openai_api as api
 from app.router.control import TrafficControl
@@ -265,6 +265,9 @@ class LaneCall:
         self.timeout_s = timeout_s
         self.started_at = time.monotonic()
         self.deadline = self.started_at + timeout_s
+        # The client asked for a deadline shorter than its class's: when it passes, that is the client's choice.
+        client_timeout_s = context.lane_request.client_timeout_s
+        self._deadline_is_clients = client_timeout_s is not None and client_timeout_s <= timeout_s
         self.stream: LaneStream | None = None
         self.last: LaneChunk | None = None
         self._first: LaneChunk | None = None
@@ -459,8 +462,22 @@ class LaneCall:
             self.stream.cancel()
         if isinstance(error, asyncio.CancelledError):
             return  # the client went away: not the lane's fault
+        if not self._lane_failed(error):
+            # The lane answered: it refused the client's request, or the client's own deadline passed. No breaker
+            # counts it and no E2E sample is taken, as for a request the client abandoned.
+            self._end_lane_call(ok=True, record_hold=False)
+            return
         logger.warning("request %s on the %s lane failed: %r", self.context.request_id, self.lane.value, error)
         self._end_lane_call(ok=False)
+
+    def _lane_failed(self, error: BaseException) -> bool:
+        """Whether `error` is the lane's failure (engine or replica: crash, lost actor, the class deadline), the
+        only kind its breaker counts; a request the engine refuses as invalid is the client's error."""
+        if isinstance(error, LaneRequestInvalid):
+            return False
+        if isinstance(error, asyncio.TimeoutError):
+            return not self._deadline_is_clients
+        return True
 
     def _deadline_error(self) -> api.OpenAIError:
         return api.OpenAIError(504, f"the request exceeded its {self.timeout_s:.0f} s deadline for the "
@@ -472,5 +489,8 @@ class LaneCall:
             return error
         if isinstance(error, asyncio.TimeoutError):
             return self._deadline_error()
+        if isinstance(error, LaneRequestInvalid):
+            # Read through Ray's wrapper to the lane's error: its str() is Ray's traceback, not the message.
+            return api.OpenAIError(400, error.message, param=error.param, code="invalid_value")
         return api.OpenAIError(503, f"the {self.lane.value} lane could not serve the request; retry shortly",
                                type="server_error", code="lane_unavailable", headers={"Retry-After": "1"})

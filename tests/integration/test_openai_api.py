@@ -126,7 +126,7 @@ BAD_REQUESTS = [
      "messages"),
     ("over max_model_len", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 4000}, 400,
      "exceeds the maximum context length of every lane (cold: 2048, hot: 2048)", "max_tokens"),
-    ("n > 1", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 422, "only n=1", "n"),
+    ("n > 1", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 400, "only n=1", "n"),
     ("unknown request class", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "service_tier": "gold"}, 400,
      "unknown service_tier", "service_tier"),
 ]

@@ -1,0 +1,253 @@
+"""A client's bad input is that client's 4xx: the request models refuse what the engine would refuse (400 naming the
+parameter), a lane's refusal of a request reaches the client as 400 and never counts against the lane's breaker, and
+neither does a deadline the client itself asked for. Fakes around the Router's real request path; no Ray."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from app.classes import Lane
+from app.lanes.types import LaneRequest, LaneRequestInvalid
+from app.router import openai_api as api
+from app.router.breaker import BreakerState
+from app.router.endpoints import COMPLETION
+from app.router.http_api import HTTP_ROUTES, make_http_app
+from tests.fakes import FakeLane, FakeStream, make_pipeline, make_router
+
+
+def refusal(request_model: type, fields: dict) -> api.OpenAIError:
+    """The error the surfaces answer for this body (FastAPI's handler, gRPC and batch lines share the conversion)."""
+    try:
+        request_model.model_validate(fields)
+    except ValidationError as error:
+        return api.validation_error(error.errors())
+    raise AssertionError(f"{fields} was accepted")
+
+
+def completion(**fields):
+    return {"model": "tiny", "prompt": "hello", **fields}
+
+
+def chat(content="hello", **fields):
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **fields}
+
+
+LONE_SURROGATE = "a\ud800b"
+
+
+@pytest.mark.parametrize("model, fields, param", [
+    (api.CompletionRequest, completion(stop=[""]), "stop"),
+    (api.CompletionRequest, completion(stop=""), "stop"),
+    (api.ChatCompletionRequest, chat(stop=["x", ""]), "stop"),
+    (api.CompletionRequest, completion(seed=2**64), "seed"),
+    (api.CompletionRequest, completion(seed=2**63), "seed"),
+    (api.CompletionRequest, completion(seed=-(2**63) - 1), "seed"),
+    (api.CompletionRequest, completion(temperature=2.5), "temperature"),
+    (api.CompletionRequest, completion(temperature=-0.1), "temperature"),
+    (api.CompletionRequest, completion(temperature=float("nan")), "temperature"),
+    (api.CompletionRequest, completion(temperature=float("inf")), "temperature"),
+    (api.CompletionRequest, completion(top_p=0), "top_p"),
+    (api.CompletionRequest, completion(top_p=1.5), "top_p"),
+    (api.CompletionRequest, completion(max_tokens=0), "max_tokens"),
+    (api.CompletionRequest, completion(max_tokens=-5), "max_tokens"),
+    (api.ChatCompletionRequest, chat(max_completion_tokens=0), "max_completion_tokens"),
+    (api.CompletionRequest, completion(n=2), "n"),
+    (api.CompletionRequest, completion(prompt=LONE_SURROGATE), "prompt"),
+    (api.CompletionRequest, completion(prompt=[LONE_SURROGATE]), "prompt"),
+    (api.CompletionRequest, completion(stop=[LONE_SURROGATE]), "stop"),
+    (api.CompletionRequest, completion(model=LONE_SURROGATE), "model"),
+    (api.CompletionRequest, completion(service_tier="\udfff"), "service_tier"),
+    (api.ChatCompletionRequest, chat(LONE_SURROGATE), "messages.0.content"),
+    (api.ChatCompletionRequest, chat([{"type": "text", "text": LONE_SURROGATE}]), "messages.0.content"),
+])
+def test_the_request_models_refuse_what_the_engine_would_with_400_naming_the_parameter(model, fields, param):
+    error = refusal(model, fields)
+    assert (error.status, error.param) == (400, param), error.body()
+    assert error.body()["error"]["message"].startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize("fields", [completion(seed=2**63 - 1), completion(seed=-(2**63)), completion(seed=-1),
+                                    completion(stop=["x", "y"]), completion(temperature=0, top_p=1),
+                                    completion(prompt="héllo 🙂")])
+def test_values_the_engine_takes_are_accepted(fields):
+    api.CompletionRequest.model_validate(fields)
+
+
+def test_a_wrong_type_stays_422_naming_the_parameter_not_a_union_branch():
+    error = refusal(api.CompletionRequest, completion(stop=5))
+    assert (error.status, error.param) == (422, "stop")
+
+
+def test_lone_surrogates_are_found_in_nested_content_parts():
+    assert api.has_lone_surrogate([{"type": "text", "text": "ok"}, {"\udc80": "key"}])
+    assert not api.has_lone_surrogate([{"type": "text", "text": "😀 fine"}, 5, None])
+
+
+# ---- over HTTP: raw JSON escapes and malformed bodies ---------------------------------------------------------------
+
+@pytest.fixture
+def http(tmp_path):
+    app = make_http_app()
+    router = make_router(tmp_path)
+    for name in ("completions", "chat_completions"):
+        HTTP_ROUTES[name](app)(getattr(router, name))
+    with TestClient(app) as client:
+        yield client, router
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "a\ud800"}', "prompt"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "stop": ["\udfff"]}', "stop"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}',
+     "messages.0.content"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": [""]}', "stop"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "seed": 18446744073709551616}', "seed"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+])
+def test_http_answers_bad_values_400_and_no_lane_sees_them(http, path, raw, param):
+    client, router = http
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert not router.lanes["hot"].requests and not router.lanes["cold"].requests
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"model": "tiny", "prompt": "x"', b"\xff\xfe", b"[]", b"5",
+                                 b'{"model": "tiny", "prompt": "x", "max_tokens": 1e999}'])
+def test_http_answers_malformed_bodies_4xx(http, raw):
+    client, _ = http
+    response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- a lane's refusal is the client's 400, never the lane's failure ------------------------------------------------
+
+class RefusingStream(FakeStream):
+    def __init__(self):
+        super().__init__([])
+
+    async def __anext__(self):
+        raise LaneRequestInvalid("stop cannot contain an empty string.", "stop")
+
+
+class RefusingLane(FakeLane):
+    """A lane whose engine refuses every request whose prompt starts with token 0, and serves the rest."""
+
+    def remote(self, request: LaneRequest):
+        if request.prompt_token_ids[0] == 0:
+            self.requests.append(request)
+            return RefusingStream()
+        return super().remote(request)
+
+
+async def test_a_lanes_refusal_is_a_400_and_never_opens_its_breaker():
+    pipeline, lanes, _ = make_pipeline({"hot": RefusingLane("hot"), "cold": RefusingLane("cold")})
+    threshold = pipeline.cfg.admission.breaker.failure_threshold
+    for _ in range(5 * threshold):
+        with pytest.raises(api.OpenAIError) as refused:
+            await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt=[0, 5], max_tokens=2))
+        assert (refused.value.status, refused.value.param) == (400, "stop")
+        assert "empty string" in refused.value.message
+    assert len(lanes["hot"].requests) == 5 * threshold, "each refusal came from the lane"
+    assert {lane: b.state for lane, b in pipeline.control.breakers.items()} == {
+        Lane.HOT: BreakerState.CLOSED, Lane.COLD: BreakerState.CLOSED}
+    call = await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt="valid", max_tokens=2))
+    answer = await pipeline.collect(call)
+    assert call.lane is Lane.HOT and answer["choices"][0]["text"] == "abcdef"
+
+
+async def test_a_lane_failure_still_counts_against_its_breaker():
+    class DeadStream(FakeStream):
+        async def __anext__(self):
+            raise RuntimeError("the replica died")
+
+    class DeadLane(FakeLane):
+        def remote(self, request):
+            return DeadStream([])
+
+    pipeline, _, _ = make_pipeline({"hot": DeadLane("hot"), "cold": FakeLane("cold")})
+    for _ in range(pipeline.cfg.admission.breaker.failure_threshold):
+        with pytest.raises(api.OpenAIError) as failed:
+            await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt="hi", max_tokens=2),
+                                 class_header="realtime")
+        assert failed.value.status == 503
+    assert pipeline.control.breakers[Lane.HOT].state is BreakerState.OPEN
+
+
+async def test_the_clients_own_short_deadline_is_a_504_that_no_breaker_counts():
+    slow = {"hot": FakeLane("hot", delay_s=0.2), "cold": FakeLane("cold", delay_s=0.2)}
+    pipeline, _, _ = make_pipeline(slow)
+    for _ in range(3 * pipeline.cfg.admission.breaker.failure_threshold):
+        with pytest.raises(api.OpenAIError) as late:
+            await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt="hi", max_tokens=2),
+                                 client_timeout_s=0.01)
+        assert late.value.status == 504
+    assert all(b.state is BreakerState.CLOSED for b in pipeline.control.breakers.values())
+
+
+def test_lane_request_invalid_survives_pickling_with_its_parameter():
+    copy = pickle.loads(pickle.dumps(LaneRequestInvalid("seed too large", "seed")))
+    assert (copy.message, copy.param, str(copy)) == ("seed too large", "seed", "seed too large")
+
+
+# ---- the engine adapter's backstop --------------------------------------------------------------------------------
+
+def test_the_engine_adapter_tells_vllms_refusals_from_its_failures():
+    pytest.importorskip("vllm")
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    from app.lanes.engine import request_invalid
+
+    invalid = request_invalid(VLLMValidationError("top_p must be in (0, 1], got 2.", parameter="top_p", value=2))
+    assert (invalid.message, invalid.param) == ("top_p must be in (0, 1], got 2.", "top_p")
+    wrapped = EngineGenerateError()
+    wrapped.__cause__ = OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
+    assert request_invalid(wrapped).message.startswith("can't serialize")
+    assert request_invalid(ValueError("bad \udc80")).message == "bad \\udc80", "printable as UTF-8"
+    assert request_invalid(EngineDeadError()) is None
+    assert request_invalid(EngineGenerateError()) is None
+    assert request_invalid(RuntimeError("CUDA error")) is None
+
+
+async def test_the_engine_adapter_raises_lane_request_invalid_only_before_the_first_output():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    from app.classes import RequestClass
+    from app.config import load_app_config
+    from app.lanes.engine import VllmEngine
+    from app.lanes.types import SamplingOptions
+    from tests.fakes import cpu_args
+
+    class FakeAsyncLLM:
+        def __init__(self, outputs_before_error: int):
+            self.outputs_before_error = outputs_before_error
+
+        async def generate(self, prompt, params, request_id, priority=0):
+            for _ in range(self.outputs_before_error):
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], text="a", finish_reason=None)],
+                                      num_cached_tokens=0, finished=False)
+            raise EngineGenerateError() from OverflowError("can't serialize ints > 2**64 - 1")
+
+    cfg = load_app_config(cpu_args())
+    engine = VllmEngine(cfg, cfg.hot_lane.engine, "hot", "r1")
+    request = LaneRequest("r", [1, 2], SamplingOptions(max_tokens=4), RequestClass.INTERACTIVE, 10)
+
+    engine._engine = FakeAsyncLLM(0)
+    with pytest.raises(LaneRequestInvalid):
+        [chunk async for chunk in engine.generate(request)]
+    engine._engine = FakeAsyncLLM(1)
+    with pytest.raises(EngineGenerateError):
+        [chunk async for chunk in engine.generate(request)]
+    # vLLM's own checks of the sampling values, before the engine is asked at all.
+    bad = LaneRequest("r", [1, 2], SamplingOptions(max_tokens=4, stop=("",)), RequestClass.INTERACTIVE, 10)
+    with pytest.raises(LaneRequestInvalid, match="empty string"):
+        [chunk async for chunk in engine.generate(bad)]
