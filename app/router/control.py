@@ -164,11 +164,14 @@ class TrafficControl:
         if self.enabled:
             self.back_pressure.dequeue(request_class)
 
-    def finished(self, request_class: RequestClass, lane: Lane, ok: bool, e2e_s: float | None) -> None:
-        """A lane call ended: `ok` False counts against the lane's breaker (a lane failure or a deadline); an E2E
-        time feeds the class's deadline."""
+    def finished(self, request_class: RequestClass, lane: Lane, ok: bool | None, e2e_s: float | None) -> None:
+        """A lane call ended: `ok` False counts against the lane's breaker (a lane failure or a deadline), True for
+        it, None neither (the client left, its input was refused: a half-open breaker's probe is only freed); an
+        E2E time feeds the class's deadline."""
         breaker = self.breakers[lane]
-        if ok:
+        if ok is None:
+            breaker.record_cancelled()
+        elif ok:
             breaker.record_success()
             if e2e_s is not None:
                 self.deadlines.record(request_class, e2e_s)

@@ -302,7 +302,7 @@ class LaneCall:
             self._first = await self._start_on(decision)
         except LaneSaturated:
             # The hot replica keeps its KV headroom for realtime: the refusal is an input of a new decision.
-            self._end_lane_call(ok=True, record_hold=False)
+            self._end_lane_call(ok=None)
             self.control.hot_refused_for_kv()
             decision = self.pipeline.route(self.context, hot_refused_for_kv=True)
             if decision.lane is Lane.HOT:
@@ -392,8 +392,8 @@ class LaneCall:
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
             self.stream.cancel()
-            # Abandoned mid-stream by the client: not the lane's fault, and no E2E sample for the deadline P99.
-            self._end_lane_call(ok=True, record_hold=False)
+            # Abandoned mid-stream by the client: no outcome for the lane, and no E2E sample for the deadline P99.
+            self._end_lane_call(ok=None)
             if not record.finished:
                 record.failed(CLIENT_CLOSED_STATUS, self._output_tokens())
 
@@ -449,9 +449,10 @@ class LaneCall:
             self._slot = None
             slots.release(token, record_hold=record_hold)
 
-    def _end_lane_call(self, ok: bool, e2e_s: float | None = None, record_hold: bool = True) -> None:
-        """The current lane call is over: free its slot and record its outcome, once."""
-        self._release_slot(record_hold=record_hold and ok)
+    def _end_lane_call(self, ok: bool | None, e2e_s: float | None = None, record_hold: bool = True) -> None:
+        """The current lane call is over: free its slot and record its outcome, once. `ok` None: the call ended
+        without an outcome for the lane (the client left or erred, a replica handed it back)."""
+        self._release_slot(record_hold=record_hold and ok is True)
         if self._lane_done:
             return
         self._lane_done = True
@@ -464,8 +465,8 @@ class LaneCall:
             return  # the client went away: not the lane's fault
         if not self._lane_failed(error):
             # The lane answered: it refused the client's request, or the client's own deadline passed. No breaker
-            # counts it and no E2E sample is taken, as for a request the client abandoned.
-            self._end_lane_call(ok=True, record_hold=False)
+            # counts it either way and no E2E sample is taken, as for a request the client abandoned.
+            self._end_lane_call(ok=None)
             return
         logger.warning("request %s on the %s lane failed: %r", self.context.request_id, self.lane.value, error)
         self._end_lane_call(ok=False)

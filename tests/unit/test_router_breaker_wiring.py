@@ -42,3 +42,19 @@ async def test_lane_failures_open_its_breaker_and_then_fail_fast(tmp_path):
     refused = await _execute_batch_line_once(router.pipeline, line(99))
     assert refused["status_code"] == 503 and refused["body"]["error"]["code"] == "cold_breaker_open"
     assert len(router.lanes["cold"].requests) == calls, "an open breaker fails fast without calling the lane"
+
+
+def test_a_call_without_an_outcome_neither_resets_nor_adds_to_the_failure_streak():
+    from app.classes import RequestClass
+    from app.config import load_app_config
+    from app.router.control import TrafficControl
+    from tests.fakes import cpu_args
+
+    control = TrafficControl(load_app_config(cpu_args()))
+    threshold = control.cfg.admission.breaker.failure_threshold
+    for _ in range(threshold - 1):
+        control.finished(RequestClass.INTERACTIVE, Lane.HOT, ok=False, e2e_s=None)
+    control.finished(RequestClass.INTERACTIVE, Lane.HOT, ok=None, e2e_s=None)  # a refused input, a client gone
+    assert control.breakers[Lane.HOT].state is BreakerState.CLOSED
+    control.finished(RequestClass.INTERACTIVE, Lane.HOT, ok=False, e2e_s=None)
+    assert control.breakers[Lane.HOT].state is BreakerState.OPEN
