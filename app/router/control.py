@@ -112,10 +112,8 @@ class TrafficControl:
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
             interactive_ttft_slo_s=admission.interactive_ttft_slo_s,
-            # The wait for a slot plus the time from a slot to the first token, against the TTFT target.
-            hot_slots=(HotSlotState(slots.free(), slots.predicted_wait_s() + slots.start_latency_s())
-                       if slots is not None else None),
-            cold_spill_room=self._cold_spill_room(waited_s),
+            hot_slots=self._hot_slot_state(),
+            cold_spill_room=request_class is RequestClass.INTERACTIVE and self._cold_spill_room(waited_s),
             hot_refused_for_kv=hot_refused_for_kv,
             hot_wait_expired=hot_wait_expired,
             hot_kv_exhausted=self.clock() < self._hot_kv_exhausted_until,
@@ -124,6 +122,15 @@ class TrafficControl:
             has_stop_strings=has_stop_strings,
             continuation=continuation,
         ))
+
+    def _hot_slot_state(self) -> HotSlotState | None:
+        """Free hot slots, and the predicted first token of a request that would wait for one: the wait plus the
+        time from a slot to the first token, against the TTFT target (only worked out when no slot is free)."""
+        slots = self.hot_slots
+        if slots is None:
+            return None
+        free = slots.free()
+        return HotSlotState(free, 0.0 if free else slots.predicted_wait_s() + slots.start_latency_s())
 
     def _cold_spill_room(self, waited_s: float) -> bool:
         """Room for one more spilled interactive request, whose first token the cold lane's recent start times say

@@ -325,15 +325,20 @@ class LaneCall:
         self._lane_done = False
         if decision.takes_hot_slot:
             slots = self.control.hot_slots
-            waited_s = time.monotonic() - self.context.record.arrived_at
-            budget_s = self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot else self._remaining()
-            try:
-                token = await asyncio.wait_for(slots.acquire(), timeout=min(budget_s, self._remaining()))
-            except asyncio.TimeoutError:
-                if self._remaining() <= 0:
-                    raise self._deadline_error() from None
-                decision = self.pipeline.route(self.context, hot_wait_expired=True)
-                return await self._start_on(decision)
+            if slots.free() > 0:
+                # The common case, taken without a task or a trip through the event loop.
+                token = slots.take()
+            else:
+                waited_s = time.monotonic() - self.context.record.arrived_at
+                budget_s = (self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot
+                            else self._remaining())
+                try:
+                    token = await asyncio.wait_for(slots.acquire(), timeout=min(budget_s, self._remaining()))
+                except asyncio.TimeoutError:
+                    if self._remaining() <= 0:
+                        raise self._deadline_error() from None
+                    decision = self.pipeline.route(self.context, hot_wait_expired=True)
+                    return await self._start_on(decision)
             self._slot = (slots, token)
             self._slot_taken_at = time.monotonic()
         elif decision.takes_cold_spill:
