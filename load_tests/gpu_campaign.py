@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-# Issue 7: the lanes must keep batch output throughput at >= 95 % of the single FCFS engine's.
+# The target: the lanes keep batch output throughput at >= 95 % of the single FCFS engine's.
 BATCH_THROUGHPUT_FLOOR = 0.95
 BASELINE_PHASE = "baseline-fcfs"
 # Phases in the order tables list them; the first measured lanes phase and the FCFS baseline make the combined
