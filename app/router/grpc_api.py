@@ -28,7 +28,8 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
 from app.router.batch_api import openai_error_from_store
 from app.router.endpoints import CHAT, COMPLETION, Endpoint
-from app.router.pipeline import LaneCall, RequestPipeline
+from app.router.lane_call import LaneCall
+from app.router.pipeline import RequestPipeline
 
 # grpc.health.v1 Watch: how often the serving status is re-checked for a change.
 HEALTH_WATCH_INTERVAL_S = 1.0

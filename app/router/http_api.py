@@ -21,7 +21,8 @@ from app.classes import REQUEST_CLASS_HEADER
 from app.prefix_cache.index import block_hashes
 from app.router import openai_api as api
 from app.router.endpoints import CHAT, COMPLETION, Endpoint
-from app.router.pipeline import LaneCall, RequestPipeline
+from app.router.lane_call import LaneCall
+from app.router.pipeline import RequestPipeline
 from app.router.replica_counts import health_response
 
 logger = logging.getLogger(__name__)

@@ -12,17 +12,17 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
-from app.classes import Lane, RequestClass, UnknownRequestClass, classify, policy_for
+from app.classes import RequestClass, UnknownRequestClass, classify, policy_for
 from app.config import AppConfig
-from app.lanes.types import LaneChunk, LaneRequest, LaneRequestInvalid, LaneSaturated, SamplingOptions
+from app.lanes.types import LaneRequest, SamplingOptions
 from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tracing
 from app.router import openai_api as api
 from app.router.control import TrafficControl
 from app.router.endpoints import Endpoint
+from app.router.lane_call import LaneCall, LaneClients, RequestContext
 from app.router.prompts import PromptTokenizer
 from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RecentTtft, RequestRecord, reason_label
 from app.router.spill import RouteDecision, RouteRefusal
@@ -33,47 +33,6 @@ logger = logging.getLogger(__name__)
 # H200 a burst of 512 batch prompts of 2,048 tokens held every later request for ~3 s while the Router tokenized them
 # inline. Shorter prompts stay inline, where the thread hop would cost more than it saves.
 TOKENIZE_INLINE_MAX_CHARS = 2048
-
-
-class LaneStream(Protocol):
-    """One lane call's chunks (a Serve DeploymentResponseGenerator, or a fake in tests)."""
-
-    def __anext__(self): ...
-
-    def cancel(self) -> None: ...
-
-
-class LaneClients(Protocol):
-    def open(self, lane: Lane, request: LaneRequest) -> LaneStream: ...
-
-
-@dataclass
-class RequestContext:
-    """One request at the Router: what it asked for, its class, and where the routing decision sent it."""
-
-    endpoint: Endpoint
-    request_class: RequestClass
-    lane_request: LaneRequest
-    record: RequestRecord
-    # The answer's length the client is owed (its max_tokens, or the default): decisions clip it, handoffs split it.
-    max_tokens: int
-    # Set by route(): the decision, the lane it names, and every reason that moved or changed the request.
-    route: RouteDecision | None = None
-    lane: Lane | None = None
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def request_id(self) -> str:
-        return self.lane_request.request_id
-
-    def headers(self, replica_id: str | None) -> dict[str, str]:
-        headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
-        if replica_id:
-            # Which engine replica serves it: lets operators (and the prefix-affinity tests) see routing.
-            headers["x-llm-lanes-replica"] = replica_id
-        if self.reasons:
-            headers["x-llm-lanes-degraded"] = ",".join(self.reasons)
-        return headers
 
 
 class RequestPipeline:
@@ -183,7 +142,7 @@ class RequestPipeline:
             timeout_s = self.control.timeout_s(request_class)
             if context.lane_request.client_timeout_s is not None:
                 timeout_s = min(timeout_s, context.lane_request.client_timeout_s)
-            call = LaneCall(self, context, timeout_s)
+            call = LaneCall(context, timeout_s, self.control, self.lanes, self.route)
             record.decided()
             await call.start(decision)
             started = True
@@ -249,254 +208,3 @@ class RequestPipeline:
 
     def shutdown(self) -> None:
         self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
-
-
-class LaneCall:
-    """One request on its lane(s): start (first chunk), then chunks under the class deadline, then bookkeeping once.
-
-    It holds the slot its route decision takes (a hot-lane slot, or cold-lane spill room) until it ends on that lane.
-    Cancellation anywhere (client gone, deadline) cancels the lane call, which aborts the engine request.
-    """
-
-    def __init__(self, pipeline: RequestPipeline, context: RequestContext, timeout_s: float):
-        self.pipeline = pipeline
-        self.control = pipeline.control
-        self.context = context
-        self.timeout_s = timeout_s
-        self.started_at = time.monotonic()
-        self.deadline = self.started_at + timeout_s
-        # The client asked for a deadline shorter than its class's: when it passes, that is the client's choice.
-        client_timeout_s = context.lane_request.client_timeout_s
-        self._deadline_is_clients = client_timeout_s is not None and client_timeout_s <= timeout_s
-        self.stream: LaneStream | None = None
-        self.last: LaneChunk | None = None
-        self._first: LaneChunk | None = None
-        self._lane_done = False  # the current lane call's outcome is recorded
-        self._slot: tuple[Any, int] | None = None  # (LaneSlots, token) held now
-        self._slot_taken_at = 0.0
-        # Decode handoff: the hot part's tokens (the continuation's prompt suffix) and where the answer stands.
-        self._handoff_after: int | None = None
-        self._handed_off_ids: list[int] = []
-        self._handoff_due = False
-        self._continued = False
-
-    @property
-    def request_class(self) -> RequestClass:
-        return self.context.request_class
-
-    @property
-    def lane(self) -> Lane:
-        return self.context.lane
-
-    def headers(self) -> dict[str, str]:
-        first = self._first or self.last
-        return self.context.headers(first.replica_id if first is not None else None)
-
-    def _remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-    # ---- start -----------------------------------------------------------------------------------------------------
-
-    async def start(self, decision: RouteDecision) -> None:
-        try:
-            self._first = await self._start_on(decision)
-        except LaneSaturated:
-            # The hot replica keeps its KV headroom for realtime: the refusal is an input of a new decision.
-            self._end_lane_call(ok=None)
-            self.control.hot_refused_for_kv()
-            decision = self.pipeline.route(self.context, hot_refused_for_kv=True)
-            if decision.lane is Lane.HOT:
-                raise api.OpenAIError(503, "both lanes are saturated or failing; retry shortly", type="server_error",
-                                      code="lanes_saturated", headers={"Retry-After": "1"}) from None
-            self._first = await self._start_on(decision)
-        except BaseException:
-            self._release_slot(record_hold=False)
-            raise
-        self.last = self._first
-        # A streamed request's first chunk is its first token (a non-streamed one's is its whole answer).
-        if self._slot is not None and self.context.lane_request.stream:
-            self._slot[0].record_start_latency(time.monotonic() - self._slot_taken_at)
-        self._lane_finished_with(self._first)
-        self.context.record.first_chunk(streamed=self.context.lane_request.stream)
-
-    async def _start_on(self, decision: RouteDecision) -> LaneChunk:
-        """Take the decision's slot (waiting for a hot slot as long as the TTFT target and the deadline allow; past
-        that, the request is decided again), then open the lane call."""
-        self._lane_done = False
-        if decision.takes_hot_slot:
-            slots = self.control.hot_slots
-            if slots.free() > 0:
-                # The common case, taken without a task or a trip through the event loop.
-                token = slots.take()
-            else:
-                waited_s = time.monotonic() - self.context.record.arrived_at
-                budget_s = (self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot
-                            else self._remaining())
-                try:
-                    token = await asyncio.wait_for(slots.acquire(), timeout=min(budget_s, self._remaining()))
-                except asyncio.TimeoutError:
-                    if self._remaining() <= 0:
-                        raise self._deadline_error() from None
-                    decision = self.pipeline.route(self.context, hot_wait_expired=True)
-                    return await self._start_on(decision)
-            self._slot = (slots, token)
-            self._slot_taken_at = time.monotonic()
-        elif decision.takes_cold_spill:
-            self._slot = (self.control.cold_spill, self.control.cold_spill.take())
-            self._slot_taken_at = time.monotonic()
-        if not self.control.allow(decision.lane):
-            raise api.OpenAIError(503, f"the {decision.lane.value} lane is failing; retry shortly", type="server_error",
-                                  code=f"{decision.lane.value}_breaker_open", headers={"Retry-After": "1"})
-        request = self.context.lane_request
-        self._handoff_after = decision.handoff_after
-        sampling = replace(request.sampling, max_tokens=decision.handoff_after or decision.max_tokens)
-        self.context.lane_request = replace(
-            request, priority=decision.priority, sampling=sampling,
-            may_spill=self.control.may_spill(self.request_class, decision.lane),
-            return_token_ids=decision.handoff_after is not None)
-        self._requested_max_tokens = decision.max_tokens
-        return await self._open_stream()
-
-    async def _open_stream(self) -> LaneChunk:
-        try:
-            # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
-            self.stream = self.pipeline.lanes.open(self.lane, self.context.lane_request)
-            return self._client_view(await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining()))
-        except LaneSaturated:
-            self.stream.cancel()
-            raise
-        except BaseException as error:
-            self._fail(error)
-            raise self._as_openai_error(error) from None
-
-    # ---- stream ----------------------------------------------------------------------------------------------------
-
-    async def chunks(self) -> AsyncIterator[LaneChunk]:
-        record = self.context.record
-        try:
-            if self._first is not None:
-                yield self._first
-            while self.last.finish_reason is None:
-                try:
-                    if self._handoff_due:
-                        self._continue_elsewhere()
-                    chunk = self._client_view(await asyncio.wait_for(anext(self.stream), timeout=self._remaining()))
-                except StopAsyncIteration:
-                    break
-                except BaseException as error:
-                    self._fail(error)
-                    converted = self._as_openai_error(error)
-                    record.failed(converted.status if isinstance(converted, api.OpenAIError)
-                                  else CLIENT_CLOSED_STATUS, self._output_tokens())
-                    raise converted from None
-                self.last = chunk
-                self._lane_finished_with(chunk)
-                yield chunk
-            self._end_lane_call(ok=True, e2e_s=time.monotonic() - self.started_at)
-            record.succeeded(self._output_tokens())
-        finally:
-            # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
-            self.stream.cancel()
-            # Abandoned mid-stream by the client: no outcome for the lane, and no E2E sample for the deadline P99.
-            self._end_lane_call(ok=None)
-            if not record.finished:
-                record.failed(CLIENT_CLOSED_STATUS, self._output_tokens())
-
-    def _client_view(self, chunk: LaneChunk) -> LaneChunk:
-        """A chunk from the lane, as the client sees it: the continuation's counts go on from the hot part's, and
-        the hot part's last chunk is not final when the cold lane is to go on."""
-        if self._continued:
-            return replace(chunk, completion_tokens=chunk.completion_tokens + len(self._handed_off_ids),
-                           prompt_tokens=len(self.context.lane_request.prompt_token_ids) - len(self._handed_off_ids),
-                           cached_prompt_tokens=self._first.cached_prompt_tokens)
-        if self._handoff_after is None:
-            return chunk
-        self._handed_off_ids.extend(chunk.token_ids)
-        if chunk.finish_reason == "length" and chunk.completion_tokens == self._handoff_after:
-            # The hot lane stopped at the handoff point, not at the client's limit (EOS or max_tokens): go on.
-            self._handoff_due = True
-            return replace(chunk, finish_reason=None, token_ids=())
-        return replace(chunk, token_ids=())
-
-    def _continue_elsewhere(self) -> None:
-        """The rest of the answer, where the routing decision for a continuation sends it."""
-        self._handoff_due = False
-        # The hot part succeeded; the request's end-to-end sample is taken once, when the continuation ends.
-        self._end_lane_call(ok=True)
-        self.stream.cancel()
-        done = len(self._handed_off_ids)
-        remaining = self._requested_max_tokens - done
-        decision = self.pipeline.route(self.context, continuation_tokens=done, max_tokens=remaining)
-        request = self.context.lane_request
-        self.context.lane_request = replace(
-            request, request_id=f"{request.request_id}-decode", priority=decision.priority,
-            prompt_token_ids=[*request.prompt_token_ids, *self._handed_off_ids],
-            sampling=replace(request.sampling, max_tokens=remaining), may_spill=False, return_token_ids=False)
-        self._continued = True
-        self._handoff_after = None
-        self._lane_done = False
-        self.stream = self.pipeline.lanes.open(self.lane, self.context.lane_request)
-
-    # ---- endings ---------------------------------------------------------------------------------------------------
-
-    def _output_tokens(self) -> int:
-        return self.last.completion_tokens if self.last is not None else 0
-
-    def _lane_finished_with(self, chunk: LaneChunk) -> None:
-        """The lane sent its last chunk: its engine slot is free now, whenever the client reads the rest (a slow
-        reader must not keep an idle engine slot taken)."""
-        if chunk.finish_reason is not None:
-            self._release_slot(record_hold=True)
-
-    def _release_slot(self, record_hold: bool) -> None:
-        if self._slot is not None:
-            slots, token = self._slot
-            self._slot = None
-            slots.release(token, record_hold=record_hold)
-
-    def _end_lane_call(self, ok: bool | None, e2e_s: float | None = None, record_hold: bool = True) -> None:
-        """The current lane call is over: free its slot and record its outcome, once. `ok` None: the call ended
-        without an outcome for the lane (the client left or erred, a replica handed it back)."""
-        self._release_slot(record_hold=record_hold and ok is True)
-        if self._lane_done:
-            return
-        self._lane_done = True
-        self.control.finished(self.request_class, self.lane, ok=ok, e2e_s=e2e_s)
-
-    def _fail(self, error: BaseException) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
-        if isinstance(error, asyncio.CancelledError):
-            return  # the client went away: not the lane's fault
-        if not self._lane_failed(error):
-            # The lane answered: it refused the client's request, or the client's own deadline passed. No breaker
-            # counts it either way and no E2E sample is taken, as for a request the client abandoned.
-            self._end_lane_call(ok=None)
-            return
-        logger.warning("request %s on the %s lane failed: %r", self.context.request_id, self.lane.value, error)
-        self._end_lane_call(ok=False)
-
-    def _lane_failed(self, error: BaseException) -> bool:
-        """Whether `error` is the lane's failure (engine or replica: crash, lost actor, the class deadline), the
-        only kind its breaker counts; a request the engine refuses as invalid is the client's error."""
-        if isinstance(error, LaneRequestInvalid):
-            return False
-        if isinstance(error, asyncio.TimeoutError):
-            return not self._deadline_is_clients
-        return True
-
-    def _deadline_error(self) -> api.OpenAIError:
-        return api.OpenAIError(504, f"the request exceeded its {self.timeout_s:.0f} s deadline for the "
-                                    f"{self.request_class.value} class and was aborted", type="timeout_error",
-                               code="deadline_exceeded")
-
-    def _as_openai_error(self, error: BaseException) -> BaseException:
-        if isinstance(error, asyncio.CancelledError):
-            return error
-        if isinstance(error, asyncio.TimeoutError):
-            return self._deadline_error()
-        if isinstance(error, LaneRequestInvalid):
-            # Read through Ray's wrapper to the lane's error: its str() is Ray's traceback, not the message.
-            return api.OpenAIError(400, error.message, param=error.param, code="invalid_value")
-        return api.OpenAIError(503, f"the {self.lane.value} lane could not serve the request; retry shortly",
-                               type="server_error", code="lane_unavailable", headers={"Retry-After": "1"})
