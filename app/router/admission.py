@@ -7,7 +7,7 @@ the lane's expected drain. Batch is never refused for load. Pure: no Ray, no vLL
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from app.classes import RequestClass
 from app.lanes.admission import AdmissionResult, Decision
@@ -24,12 +24,13 @@ class BackPressure:
     def queued(self, request_class: RequestClass) -> int:
         return self._queued[request_class]
 
-    def try_enqueue(self, request_class: RequestClass, retry_after_s: int) -> AdmissionResult:
-        """Admit into the class's queue, or refuse with `retry_after_s` when the queue is at its bound."""
+    def try_enqueue(self, request_class: RequestClass, retry_after_s: Callable[[], int]) -> AdmissionResult:
+        """Admit into the class's queue, or refuse with `retry_after_s()` (worked out only then) when the queue is
+        at its bound."""
         queued = self._queued[request_class]
         bound = None if request_class is RequestClass.BATCH else self.bounds.get(request_class)
         if bound is not None and queued >= bound:
-            return AdmissionResult(Decision.REJECT, f"queue_full ({queued} >= {bound})", retry_after_s)
+            return AdmissionResult(Decision.REJECT, f"queue_full ({queued} >= {bound})", retry_after_s())
         self._queued[request_class] += 1
         return AdmissionResult(Decision.ADMIT, "batch_waits" if request_class is RequestClass.BATCH else "queued")
 

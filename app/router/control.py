@@ -89,7 +89,7 @@ class TrafficControl:
         if not self.enabled:
             return AdmissionResult(Decision.ADMIT, "admission_disabled")
         # A lane that is down is route()'s business (503 with the breaker's Retry-After), not a full queue's (429).
-        return self.back_pressure.try_enqueue(request_class, self._queue_retry_after_s(request_class))
+        return self.back_pressure.try_enqueue(request_class, lambda: self._queue_retry_after_s(request_class))
 
     def _queue_retry_after_s(self, request_class: RequestClass) -> int:
         if request_class is RequestClass.INTERACTIVE and self.hot_slots is not None:
@@ -107,13 +107,16 @@ class TrafficControl:
             return decide_route(RouteInputs(request_class, prompt_tokens, max_tokens, self.lane_caps,
                                             long_context_threshold=10**12, open_breakers=open_breakers,
                                             continuation=continuation))
-        slots = self.hot_slots
+        hot_slots = self._hot_slot_state()
+        # Spill room is only asked for when the hot lane cannot take the request now (spill.py, rule 5d).
+        needs_spill_room = request_class is RequestClass.INTERACTIVE and (
+            hot_wait_expired or (hot_slots is not None and hot_slots.free == 0))
         return decide_route(RouteInputs(
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
             interactive_ttft_slo_s=admission.interactive_ttft_slo_s,
-            hot_slots=self._hot_slot_state(),
-            cold_spill_room=request_class is RequestClass.INTERACTIVE and self._cold_spill_room(waited_s),
+            hot_slots=hot_slots,
+            cold_spill_room=needs_spill_room and self._cold_spill_room(waited_s),
             hot_refused_for_kv=hot_refused_for_kv,
             hot_wait_expired=hot_wait_expired,
             hot_kv_exhausted=self.clock() < self._hot_kv_exhausted_until,

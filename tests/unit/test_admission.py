@@ -188,20 +188,20 @@ def test_kv_headroom_validates_inputs():
 def test_back_pressure_rejects_over_bound_with_the_callers_retry_after():
     bp = BackPressure(bounds={RT: 2, IA: 3, BA: None})
     for _ in range(3):
-        assert bp.try_enqueue(IA, retry_after_s=7).decision is Decision.ADMIT
-    over = bp.try_enqueue(IA, retry_after_s=7)
+        assert bp.try_enqueue(IA, retry_after_s=lambda: 7).decision is Decision.ADMIT
+    over = bp.try_enqueue(IA, retry_after_s=lambda: 7)
     assert over.decision is Decision.REJECT and "queue_full" in over.reason and over.retry_after_s == 7
     assert bp.queued(IA) == 3
     bp.dequeue(IA)
-    assert bp.try_enqueue(IA, retry_after_s=7).decision is Decision.ADMIT
+    assert bp.try_enqueue(IA, retry_after_s=lambda: 7).decision is Decision.ADMIT
     # Classes have separate queues.
-    assert bp.try_enqueue(RT, retry_after_s=1).decision is Decision.ADMIT
+    assert bp.try_enqueue(RT, retry_after_s=lambda: 1).decision is Decision.ADMIT
 
 
 def test_batch_is_never_rejected_for_load():
     bp = BackPressure(bounds={RT: 1, IA: 1, BA: 1})  # even a configured batch bound is ignored
     for _ in range(10_000):
-        assert bp.try_enqueue(BA, retry_after_s=1).decision is Decision.ADMIT
+        assert bp.try_enqueue(BA, retry_after_s=lambda: 1).decision is Decision.ADMIT
     assert bp.queued(BA) == 10_000
 
 
