@@ -1,4 +1,5 @@
-"""Router-side back-pressure: bounded per-class queues of admitted requests that have not started yet.
+"""Router-side back-pressure: bounded per-class queues of admitted requests that have not started yet, and the
+Retry-After of the requests turned away.
 
 A request is queued from admission until its first token (waiting in the Router for a hot-lane slot, or inside an
 engine before its prefill). Over its class's bound it is refused with 429 and a Retry-After the caller computes from
@@ -7,6 +8,8 @@ the lane's expected drain. Batch is never refused for load. Pure: no Ray, no vLL
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Mapping
 
 from app.classes import RequestClass
@@ -38,3 +41,36 @@ class BackPressure:
         if self._queued[request_class] <= 0:
             raise RuntimeError(f"dequeue() without try_enqueue() for {request_class.value}")
         self._queued[request_class] -= 1
+
+
+class RetrySchedule:
+    """Spreads the retries of refused clients over the time the lanes take to admit them.
+
+    Every refused client that honours its Retry-After comes back at the time it was given. Were they all told the
+    same "1 s", they would come back together, most to be refused again: the Router would spend its time answering
+    429s, the burst of admitted ones would start together, and the waves would repeat. Instead each refusal gets the
+    next free time in a schedule that advances by the lanes' admission interval (the time between two freed slots),
+    starting no earlier than when the refused request could first be admitted: the k-th client refused in a backlog
+    comes back about k admission intervals later, about when there is room for it. Once the schedule's last time has
+    passed, it starts again from the present.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, min_s: int = 1, max_s: int = 60):
+        if not 1 <= min_s <= max_s:
+            raise ValueError(f"need 1 <= min_s <= max_s, got {min_s}, {max_s}")
+        self.clock = clock
+        self.min_s = min_s
+        self.max_s = max_s
+        self._next_at = 0.0
+
+    def retry_after_s(self, earliest_s: float, admit_interval_s: float) -> int:
+        """Retry-After (whole seconds, within [min_s, max_s]) for one more refused client, which cannot be admitted
+        before `earliest_s` from now and of which the lanes admit one every `admit_interval_s`."""
+        now = self.clock()
+        if not math.isfinite(earliest_s):
+            return self.max_s
+        at = max(now + max(earliest_s, 0.0), self._next_at)
+        if math.isfinite(admit_interval_s) and admit_interval_s > 0:
+            # Never past the largest Retry-After: a client told max_s comes back then, whatever the schedule says.
+            self._next_at = min(at + admit_interval_s, now + self.max_s)
+        return int(min(max(math.ceil(at - now), self.min_s), self.max_s))

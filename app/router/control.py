@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 from app.classes import Lane, RequestClass
 from app.config import AppConfig
 from app.lanes.admission import AdmissionResult, Decision
-from app.router.admission import BackPressure
+from app.router.admission import BackPressure, RetrySchedule
 from app.router.breaker import BreakerState, CircuitBreaker
 from app.router.deadlines import DeadlinePolicy
 from app.router.hot_slots import LaneSlots
 from app.router.lane_caps import LaneCaps
-from app.router.spill import HotSlotState, RouteDecision, RouteInputs, RouteRefusal, decide_route, retry_after_s
+from app.router.spill import (
+    RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, HotSlotState, RouteDecision, RouteInputs, RouteRefusal, decide_route,
+)
 
 # After a hot replica refuses an interactive request for KV headroom, treat the hot lane's KV as used up this long,
 # so the next interactive requests spill straight away instead of each making the round trip.
@@ -58,6 +61,7 @@ class TrafficControl:
                                            RequestClass.INTERACTIVE: admission.interactive_queue_bound,
                                            RequestClass.BATCH: None})
         self.breakers = {Lane(name): CircuitBreaker(admission.breaker, clock=clock) for name in cfg.lane_names}
+        self.retry_schedule = RetrySchedule(clock, RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S)
         self.deadlines = DeadlinePolicy(admission.deadlines)
         self.lane_caps = {
             Lane(name): LaneCaps(cfg.model.max_model_len, cfg.lane(name).max_tokens_cap) for name in cfg.lane_names
@@ -93,8 +97,22 @@ class TrafficControl:
 
     def _queue_retry_after_s(self, request_class: RequestClass) -> int:
         if request_class is RequestClass.INTERACTIVE and self.hot_slots is not None:
-            return retry_after_s(self.hot_slots.predicted_wait_s())
+            return self._interactive_retry_after_s(self.hot_slots.predicted_wait_s())
         return REALTIME_RETRY_AFTER_S
+
+    def _interactive_retry_after_s(self, earliest_s: float) -> int:
+        """Retry-After of one more refused interactive request, spread over the lanes' admission rate."""
+        return self.retry_schedule.retry_after_s(earliest_s, self._interactive_admit_interval_s())
+
+    def _interactive_admit_interval_s(self) -> float:
+        """Mean time between two interactive requests the lanes take while full: hot slots and cold spill room
+        together, each once it has a known, non-zero hold time (0 before either has one: nothing to spread by yet)."""
+        per_s = 0.0
+        for slots in (self.hot_slots, self.cold_spill):
+            interval = slots.admit_interval_s() if slots is not None else None
+            if interval is not None and 0 < interval < math.inf:
+                per_s += 1.0 / interval
+        return 1.0 / per_s if per_s > 0 else 0.0
 
     def route(self, request_class: RequestClass, prompt_tokens: int, max_tokens: int, *,
               has_stop_strings: bool = False, hot_refused_for_kv: bool = False, hot_wait_expired: bool = False,
@@ -111,7 +129,7 @@ class TrafficControl:
         # Spill room is only asked for when the hot lane cannot take the request now (spill.py, rule 5d).
         needs_spill_room = request_class is RequestClass.INTERACTIVE and (
             hot_wait_expired or (hot_slots is not None and hot_slots.free == 0))
-        return decide_route(RouteInputs(
+        decision = decide_route(RouteInputs(
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
             interactive_ttft_slo_s=admission.interactive_ttft_slo_s,
@@ -125,6 +143,10 @@ class TrafficControl:
             has_stop_strings=has_stop_strings,
             continuation=continuation,
         ))
+        if isinstance(decision, RouteRefusal) and decision.status == 429 and hot_slots is not None:
+            earliest = hot_slots.predicted_wait_s - admission.interactive_ttft_slo_s
+            decision = replace(decision, retry_after_s=self._interactive_retry_after_s(earliest))
+        return decision
 
     def _hot_slot_state(self) -> HotSlotState | None:
         """Free hot slots, and the predicted first token of a request that would wait for one: the wait plus the

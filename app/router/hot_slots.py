@@ -86,6 +86,14 @@ class LaneSlots:
             return 0.0
         return (ahead + 1) * hold / self.limit
 
+    def admit_interval_s(self) -> float | None:
+        """Time between two freed slots once all are taken (hold time / limit); None before any hold time is known,
+        inf with no slots."""
+        if self.limit == 0:
+            return float("inf")
+        hold = self.hold_time_s()
+        return None if hold is None else hold / self.limit
+
     def take(self) -> int:
         """Take a slot now (the caller checked free() or was granted one); returns the token for release()."""
         token = self._next_token

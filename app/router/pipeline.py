@@ -169,7 +169,10 @@ class RequestPipeline:
         if isinstance(decision, RouteRefusal):
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
             error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")
-            raise api.OpenAIError(decision.status, decision.message, code=decision.code, type=error_type,
+            message = decision.message
+            if decision.status == 429 and decision.retry_after_s:
+                message += f"; retry in {decision.retry_after_s} s"
+            raise api.OpenAIError(decision.status, message, code=decision.code, type=error_type,
                                   param="max_tokens" if decision.status == 400 else None, headers=headers)
         context.route = decision
         context.lane = decision.lane

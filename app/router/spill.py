@@ -18,7 +18,8 @@ The rule, in order:
       leaves (a prediction can be wrong when the load changes): a request whose slot has not come by then is decided
       again without this step;
    d. the cold lane has spill room: the cold lane;
-   e. otherwise 429 with a Retry-After of the time until a slot is expected within the SLO.
+   e. otherwise 429 with a Retry-After of the time until a slot is expected within the SLO (TrafficControl spreads
+      the Retry-Afters of a backlog of refusals over the lanes' admission rate: admission.RetrySchedule).
    The Router never sends the hot engines more interactive work than they run at once, and never leaves a hot slot
    idle while an interactive request waits for one.
 6. A lane that cannot fit the request, or whose breaker is open, hands over to the other lane when allowed: always
@@ -159,7 +160,7 @@ def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, 
     wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_slo_s if slots is not None else 0)
     return RouteRefusal(429, "hot_lane_full",
                         f"the hot lane is full and its queue would not start this request within the "
-                        f"{inputs.interactive_ttft_slo_s:g} s interactive TTFT target; retry in {wait} s",
+                        f"{inputs.interactive_ttft_slo_s:g} s interactive TTFT target",
                         retry_after_s=wait)
 
 

@@ -3,8 +3,10 @@ import math
 
 import pytest
 
+from tests.fakes import FakeClock
+
 from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
-from app.router.admission import BackPressure
+from app.router.admission import BackPressure, RetrySchedule
 from app.classes import RequestClass
 
 RESERVE = 0.20  # the schema's admission.realtime_kv_reserve
@@ -210,3 +212,29 @@ def test_back_pressure_validates():
         BackPressure(bounds={IA: -1})
     with pytest.raises(RuntimeError):
         BackPressure(bounds={IA: 1}).dequeue(IA)
+
+
+def test_retry_schedule_spreads_a_backlog_over_the_admission_interval():
+    clock = FakeClock()
+    schedule = RetrySchedule(clock, min_s=1, max_s=60)
+    # One admitted every 0.5 s, the first not before 1.2 s from now: 2, 2 (1.7 s), 3 (2.2 s), 3, 4, ...
+    told = [schedule.retry_after_s(1.2, 0.5) for _ in range(6)]
+    assert told == [2, 2, 3, 3, 4, 4]
+    # Time passes: the promises made so far move closer; new ones queue behind them.
+    clock.advance(2.0)
+    assert schedule.retry_after_s(0.0, 0.5) == 3  # the 7th promise: 4.2 s after the start, 2.2 s from now
+    # Once the schedule's last time has passed, it starts again from the present.
+    clock.advance(60.0)
+    assert schedule.retry_after_s(0.0, 0.5) == 1
+
+
+def test_retry_schedule_stays_within_its_bounds():
+    clock = FakeClock()
+    schedule = RetrySchedule(clock, min_s=1, max_s=5)
+    assert schedule.retry_after_s(math.inf, 0.5) == 5  # unknown: the maximum
+    assert [schedule.retry_after_s(0.0, 2.0) for _ in range(5)] == [1, 2, 4, 5, 5]
+    # Nothing to spread by (no admission rate known yet): everyone gets the earliest time.
+    fresh = RetrySchedule(clock)
+    assert [fresh.retry_after_s(0.4, 0.0) for _ in range(3)] == [1, 1, 1]
+    with pytest.raises(ValueError):
+        RetrySchedule(clock, min_s=0)

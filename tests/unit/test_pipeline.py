@@ -153,8 +153,17 @@ async def test_past_the_slo_interactive_spills_while_the_cold_lane_has_room_then
         await h.start()
     assert refused.value.status == 429 and refused.value.code == "hot_lane_full"
     assert refused.value.headers["Retry-After"] == "1"  # a place opens within the SLO in ~1 s
+    # The next ones refused are told to come back one admission interval (a slot frees every second) after another,
+    # not all at the same time.
+    later = []
+    for _ in range(3):
+        with pytest.raises(api.OpenAIError) as again:
+            await h.start()
+        later.append(again.value.headers["Retry-After"])
+    assert later == ["2", "3", "4"]
+    assert again.value.message.endswith("; retry in 4 s")
     rejected = [tags for _, tags in h.metrics.of("llm_lanes_requests_total") if tags["outcome"] == "rejected"]
-    assert rejected == [{"lane": "none", "request_class": "interactive", "outcome": "rejected", "status": "429"}]
+    assert rejected == [{"lane": "none", "request_class": "interactive", "outcome": "rejected", "status": "429"}] * 4
     # Realtime and batch never wait for the Router's interactive slots.
     assert (await h.start(service_tier="priority")).lane is Lane.HOT
     assert (await h.start(service_tier="flex")).lane is Lane.COLD
