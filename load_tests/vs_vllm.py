@@ -1,0 +1,263 @@
+"""The app against vLLM's own OpenAI server: the same engine arguments, the same client, one machine, one report.
+
+    .venv/bin/python -m load_tests.vs_vllm --out load_tests/results/vs-vllm-cpu \
+        --serve-config serve_configs/baseline-local.yaml --serve-config serve_configs/local.yaml
+
+Targets, one after the other: for each `--serve-config`, vLLM's own OpenAI server
+(`python -m vllm.entrypoints.openai.api_server`; the `vllm` console script of vllm-cpu fails on its package metadata)
+with the engine arguments of that config's hot lane (once per distinct set of arguments), then the app under that
+config (`serve run` of a derived copy: the batch store moved under `--out`). Each target is started, warmed up, measured `--runs` times with vLLM's
+own benchmark client (`vllm bench serve`: openai-chat, random `--input-len` in / `--output-len` out,
+`--num-prompts` at `--request-rate` req/s, `ignore_eos`), and stopped before the next starts. The engine arguments
+come from the app's own mapping (`app.lanes.engine.engine_args_dict`), so both serve the same engine; a CPU
+binding of the lane (`cpu_threads_bind`) is passed to the server as VLLM_CPU_OMP_THREADS_BIND.
+
+Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
+p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
+arguments: the median of its runs over the median of the server's), the per-run bench JSON files, the derived configs and every target's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from load_tests import host
+
+VLLM_SERVER_PORT = 8100
+READY_TIMEOUT_S = 600.0
+# The figures compared, as (label, the bench result's key).
+FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "median_tpot_ms"),
+           ("ITL p50", "median_itl_ms"), ("E2E p50", "median_e2el_ms"))
+# The ratios the project targets (app ÷ vLLM's server, lower is better), per app config file name.
+TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.2, "median_tpot_ms": 1.2},
+           "local.yaml": {"median_ttft_ms": 1.5, "p99_ttft_ms": 1.5}}
+
+
+def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
+    """vLLM engine arguments (as AsyncEngineArgs takes them) -> the OpenAI server's command-line flags."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        if value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def server_engine(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The engine arguments of a serve config's hot lane, and the environment its CPU binding needs."""
+    from app.config import AppConfig
+    from app.lanes.engine import engine_args_dict
+    from load_tests.overlay import llm_lanes_application
+
+    cfg = AppConfig.model_validate(llm_lanes_application(document).get("args") or {})
+    settings = cfg.hot_lane.engine
+    engine_args = engine_args_dict(cfg, settings)
+    # Stats on: the app's replicas log them too (its stat logger needs them); the server's periodic log line is all
+    # they cost there.
+    engine_args.pop("disable_log_stats", None)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": settings.cpu_threads_bind} if settings.cpu_threads_bind else {}
+    return engine_args, env
+
+
+def vllm_server_command(engine_args: dict[str, Any], port: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+            *engine_cli_args(engine_args)]
+
+
+def bench_command(url: str, model: str, tokenizer: str, args: argparse.Namespace, result_dir: Path,
+                  result_name: str, seed: int) -> list[str]:
+    return [sys.executable, "-m", "load_tests.vs_vllm", "bench",
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
+            "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(seed),
+            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name, "--disable-tqdm"]
+
+
+def bench_main(argv: list[str]) -> int:
+    """`vllm bench serve` through its module (the console script fails on vllm-cpu's package metadata)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="python -m load_tests.vs_vllm bench")
+    add_cli_args(parser)
+    main(parser.parse_args(argv))
+    return 0
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over a target's runs, plus the totals that say whether the runs were clean."""
+    summary: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for _, key in FIGURES}
+    summary["output_throughput"] = statistics.median(run["output_throughput"] for run in runs)
+    summary["completed"] = sum(run["completed"] for run in runs)
+    summary["failed"] = sum(run.get("failed", 0) for run in runs)
+    return summary
+
+
+def ratios(app: dict[str, Any], server: dict[str, Any]) -> dict[str, float]:
+    return {key: app[key] / server[key] for _, key in FIGURES if server.get(key)}
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    settings = report["settings"]
+    lines = ["# The app against vLLM's own OpenAI server", "",
+             f"`vllm bench serve`, openai-chat, random {settings['input_len']} in / {settings['output_len']} out, "
+             f"{settings['num_prompts']} prompts at {settings['request_rate']} req/s, {settings['runs']} run(s) per "
+             f"target, targets one after the other on one machine ({report['when']}). Each vLLM server gets the "
+             f"engine arguments of a config's hot lane:", ""]
+    lines += [f"- {target['name']}: `{' '.join(target['server_flags'])}`" for target in report["targets"]
+              if target.get("server_flags")]
+    lines.append("")
+    if report.get("autogroup"):
+        lines += ["**The kernel's autogroup scheduling was on**: the figures include its distortion "
+                  "(load_tests/README.md).", ""]
+    header = "| target | " + " | ".join(f"{label} (ms)" for label, _ in FIGURES) + " | output tok/s | completed / failed |"
+    lines += [header, "|" + "---|" * (len(FIGURES) + 3)]
+    for target in report["targets"]:
+        s = target["summary"]
+        cells = " | ".join(f"{s[key]:.1f}" for _, key in FIGURES)
+        per_run = " · ".join(f"{run['median_ttft_ms']:.1f}/{run['p99_ttft_ms']:.1f}" for run in target["runs"])
+        lines.append(f"| {target['name']} (TTFT p50/p99 per run: {per_run}) | {cells} | "
+                     f"{s['output_throughput']:.0f} | {s['completed']} / {s['failed']} |")
+    lines += ["", "Ratios to vLLM's server (medians of the runs; lower is better; the target where one is set):", "",
+              "| target | " + " | ".join(label for label, _ in FIGURES) + " |", "|" + "---|" * (len(FIGURES) + 1)]
+    for target in report["targets"]:
+        if "ratios" not in target:
+            continue
+        goal = TARGETS.get(Path(target["config"]).name, {})
+        cells = []
+        for _, key in FIGURES:
+            value = target["ratios"].get(key)
+            text = "–" if value is None else f"{value:.2f}"
+            if value is not None and key in goal:
+                text += f" (≤ {goal[key]}: {'yes' if value <= goal[key] else 'no'})"
+            cells.append(text)
+        lines.append(f"| {target['name']} ÷ {target['compared_with']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _log(message: str) -> None:
+    print(f"[vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Namespace, out: Path) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    warm = argparse.Namespace(**{**vars(args), "num_prompts": max(int(args.request_rate), 4)})
+    subprocess.run(bench_command(url, model, tokenizer, warm, out / "warmup", f"{name}.json", seed=999),
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    runs = []
+    for run in range(args.runs):
+        result_name = f"{name}-run{run + 1}.json"
+        _log(f"{name}: run {run + 1} of {args.runs}")
+        subprocess.run(bench_command(url, model, tokenizer, args, out / "bench", result_name, seed=args.seed + run),
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        runs.append(json.loads((out / "bench" / result_name).read_text(encoding="utf-8")))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m load_tests.vs_vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve-config", action="append", required=True, help="app config to measure; repeatable")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=8.0)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    args = parser.parse_args(argv)
+
+    from load_tests.overload import derived_config
+    from load_tests.overlay import load_serve_config
+    from load_tests.serve_runner import (AppStartError, ServedApp, app_url, default_cleanup_commands,
+                                         default_start_command, default_stop_commands)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    plan: list[dict[str, Any]] = []
+    servers: dict[str, str] = {}  # engine arguments (JSON) -> the server target that runs them
+    for index, config in enumerate(args.serve_config):
+        document = load_serve_config(config)
+        engine_args, server_env = server_engine(document)
+        key = json.dumps([engine_args, server_env], sort_keys=True)
+        if key not in servers:
+            servers[key] = f"vllm-server-{len(servers) + 1}"
+            plan.append({"name": servers[key], "config": config, "engine_args": engine_args, "env": server_env})
+        name = f"app-{index + 1}-{Path(config).stem}"
+        plan.append({"name": name, "config": config, "document": derived_config(document, [], out / name),
+                     "compared_with": servers[key], "engine_args": engine_args})
+
+    targets: list[dict[str, Any]] = []
+    for step in plan:
+        name, engine_args = step["name"], step["engine_args"]
+        model = engine_args.get("served_model_name") or engine_args["model"]
+        tokenizer = engine_args.get("tokenizer") or engine_args["model"]
+        if "document" not in step:
+            url = f"http://127.0.0.1:{VLLM_SERVER_PORT}"
+            served = ServedApp(url, out / f"{name}.log", start_command=vllm_server_command(engine_args,
+                                                                                          VLLM_SERVER_PORT),
+                               ready_timeout_s=args.ready_timeout, lanes_path=None, env=step["env"])
+        else:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            config_path = out / name / ("served-" + Path(step["config"]).name)
+            config_path.write_text(yaml.safe_dump(step["document"], sort_keys=False), encoding="utf-8")
+            url = app_url(step["document"]).rstrip("/")
+            served = ServedApp(url, out / f"{name}.log", start_command=default_start_command(str(config_path)),
+                               stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
+                               ready_timeout_s=args.ready_timeout, env=env)
+        _log(f"starting {name}")
+        try:
+            served.start()
+            _log(f"{name} ready after {served.wait_ready():.0f} s")
+            runs = _measure(name, url, model, tokenizer, args, out)
+        except (AppStartError, subprocess.CalledProcessError) as error:
+            print(f"{name}: {error}", file=sys.stderr)
+            return 1
+        finally:
+            served.stop()
+        target = {"name": name, "config": step["config"], "runs": runs, "summary": summarize(runs)}
+        if "document" in step:
+            target["compared_with"] = step["compared_with"]
+        else:
+            target["server_flags"] = engine_cli_args(engine_args)
+        targets.append(target)
+
+    by_name = {target["name"]: target for target in targets}
+    for target in targets:
+        if "compared_with" in target:
+            target["ratios"] = ratios(target["summary"], by_name[target["compared_with"]]["summary"])
+    report = {"settings": vars(args), "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "autogroup": host.autogroup_enabled(), "targets": targets}
+    (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    markdown = render_markdown(report)
+    (out / "report.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

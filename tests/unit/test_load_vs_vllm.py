@@ -1,0 +1,41 @@
+"""load_tests.vs_vllm's pure parts: the server gets the app's own engine arguments as flags, and the report's
+ratios compare each app target with the server that ran its engine arguments."""
+
+from __future__ import annotations
+
+from load_tests.overlay import load_serve_config
+from load_tests.vs_vllm import engine_cli_args, ratios, render_markdown, server_engine, summarize
+
+
+def test_engine_arguments_become_the_servers_flags():
+    flags = engine_cli_args({"model": "m", "enforce_eager": True, "enable_prefix_caching": False, "tokenizer": None,
+                             "max_num_seqs": 32, "compilation_config": {"level": 0}})
+    assert flags == ["--model", "m", "--enforce-eager", "--no-enable-prefix-caching", "--max-num-seqs", "32",
+                     "--compilation-config", '{"level": 0}']
+
+
+def test_the_server_runs_the_hot_lanes_engine_with_its_cpu_binding():
+    engine_args, env = server_engine(load_serve_config("serve_configs/local.yaml"))
+    assert engine_args["max_num_seqs"] == 32 and engine_args["dtype"] == "float32"
+    assert engine_args["served_model_name"] == "tiny-llama" and "disable_log_stats" not in engine_args
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def _run(ttft: float, p99: float, tpot: float) -> dict:
+    return {"median_ttft_ms": ttft, "p99_ttft_ms": p99, "median_tpot_ms": tpot, "median_itl_ms": 1.0,
+            "median_e2el_ms": 100.0, "output_throughput": 200.0, "completed": 64, "failed": 0}
+
+
+def test_ratios_are_medians_over_the_servers_medians_and_the_report_judges_the_targets():
+    server = summarize([_run(10, 30, 3), _run(14, 40, 3)])
+    app = summarize([_run(15, 60, 3.3), _run(17, 50, 3.6)])
+    assert server["median_ttft_ms"] == 12 and server["completed"] == 128
+    assert ratios(app, server)["median_ttft_ms"] == 16 / 12
+    report = {"settings": {"input_len": 128, "output_len": 32, "num_prompts": 64, "request_rate": 8, "runs": 2},
+              "when": "now", "autogroup": False,
+              "targets": [{"name": "vllm-server-1", "config": "serve_configs/local.yaml", "server_flags": ["--x"],
+                           "runs": [_run(10, 30, 3)], "summary": server},
+                          {"name": "app-1-local", "config": "serve_configs/local.yaml", "runs": [_run(15, 60, 3.3)],
+                           "summary": app, "compared_with": "vllm-server-1", "ratios": ratios(app, server)}]}
+    markdown = render_markdown(report)
+    assert "| app-1-local ÷ vllm-server-1 | 1.33 (≤ 1.5: yes) | 1.57 (≤ 1.5: no) |" in markdown
