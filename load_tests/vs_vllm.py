@@ -12,6 +12,11 @@ own benchmark client (`vllm bench serve`: openai-chat, random `--input-len` in /
 come from the app's own mapping (`app.lanes.engine.engine_args_dict`), so both serve the same engine; a CPU
 binding of the lane (`cpu_threads_bind`) is passed to the server as VLLM_CPU_OMP_THREADS_BIND.
 
+With `--profile`, each app target gets one more run, not counted in the figures, sampled with py-spy (100 Hz,
+non-blocking, only threads holding the GIL: Python's own work) in the HTTP proxy, the Router and the HotLane replica:
+a flame graph per process (`profile/<target>-<process>.svg`) and the functions with the most samples in the report;
+/proc CPU time per process over that run comes with it (load_tests/cpu_sampler.py).
+
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
 p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
 arguments: the median of its runs over the median of the server's), the per-run bench JSON files, the derived configs and every target's log.
@@ -32,10 +37,14 @@ from typing import Any
 
 import yaml
 
-from load_tests import host
+from load_tests import cpu_sampler, host
 
 VLLM_SERVER_PORT = 8100
 READY_TIMEOUT_S = 600.0
+# The processes profiled with --profile (cpu_sampler's labels), and how many functions the report lists for each.
+PROFILED = {"proxy": "ProxyActor", "router": "ServeReplica:llm-lanes:Router", "hot-lane": "ServeReplica:llm-lanes:HotLane"}
+PROFILE_TOP = 12
+PROFILE_RATE_HZ = 100
 # The figures compared, as (label, the bench result's key).
 FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "median_tpot_ms"),
            ("ITL p50", "median_itl_ms"), ("E2E p50", "median_e2el_ms"))
@@ -103,6 +112,79 @@ def bench_main(argv: list[str]) -> int:
     return 0
 
 
+def top_functions(collapsed: str, top: int = PROFILE_TOP) -> list[tuple[str, float, float]]:
+    """py-spy's raw (collapsed) stacks -> (function, share of samples where it runs itself, share where it is on the
+    stack), the most frequent first by own share. A frame is "name (file:line)"; lines are merged per function."""
+    own: dict[str, int] = {}
+    anywhere: dict[str, int] = {}
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = [_function(frame) for frame in stack.split(";")]
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for name in set(frames):
+            anywhere[name] = anywhere.get(name, 0) + count
+    if not total:
+        return []
+    ranked = sorted(own, key=own.get, reverse=True)[:top]
+    return [(name, own[name] / total, anywhere[name] / total) for name in ranked]
+
+
+def _function(frame: str) -> str:
+    """"handle (app/router/http_api.py:42)" -> "handle (app/router/http_api.py)"; long paths cut to their tail."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    parts = Path(path).parts
+    short = "/".join(parts[-3:]) if len(parts) > 3 else path
+    return f"{name} ({short})" if short else name
+
+
+class Profiler:
+    """py-spy on the proxy, the Router and the HotLane replica, and /proc CPU time of every process, for one run."""
+
+    def __init__(self, out: Path, target: str, duration_s: float):
+        self.out, self.target, self.duration_s = out / "profile", target, duration_s
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.processes: list[subprocess.Popen] = []
+        self.cpu_before: dict[int, tuple[str, float]] = {}
+        self.began = 0.0
+
+    def start(self) -> None:
+        py_spy = str(Path(sys.executable).parent / "py-spy")
+        labels = {label: pid for pid, (label, _) in cpu_sampler.snapshot().items()}
+        for short, label in PROFILED.items():
+            pid = labels.get(label)
+            if pid is None:
+                continue
+            for fmt, suffix in (("raw", "txt"), ("flamegraph", "svg")):
+                self.processes.append(subprocess.Popen(
+                    [py_spy, "record", "--pid", str(pid), "--duration", str(int(self.duration_s)), "--rate",
+                     str(PROFILE_RATE_HZ), "--nonblocking", "--gil", "--format", fmt,
+                     "--output", str(self.out / f"{self.target}-{short}.{suffix}")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.cpu_before, self.began = cpu_sampler.snapshot(), time.monotonic()
+
+    def finish(self) -> dict[str, Any]:
+        cpu_after, wall = cpu_sampler.snapshot(), time.monotonic() - self.began
+        cores: dict[str, float] = {}
+        for pid, (label, cpu_s) in cpu_after.items():
+            if pid in self.cpu_before:
+                cores[label] = cores.get(label, 0.0) + (cpu_s - self.cpu_before[pid][1]) / wall
+        for process in self.processes:
+            process.wait(timeout=self.duration_s + 60)
+        functions = {}
+        for short in PROFILED:
+            raw = self.out / f"{self.target}-{short}.txt"
+            if raw.exists():
+                functions[short] = top_functions(raw.read_text(encoding="utf-8", errors="replace"))
+        busiest = dict(sorted(((k, round(v, 3)) for k, v in cores.items() if v >= 0.01), key=lambda kv: -kv[1]))
+        return {"cores_by_process": busiest, "top_functions": functions}
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each figure over a target's runs, plus the totals that say whether the runs were clean."""
     summary: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for _, key in FIGURES}
@@ -151,6 +233,19 @@ def render_markdown(report: dict[str, Any]) -> str:
                 text += f" (≤ {goal[key]}: {'yes' if value <= goal[key] else 'no'})"
             cells.append(text)
         lines.append(f"| {target['name']} ÷ {target['compared_with']} | " + " | ".join(cells) + " |")
+    for target in report["targets"]:
+        profile = target.get("profile")
+        if not profile:
+            continue
+        cores = ", ".join(f"{label} {value:.2f}" for label, value in profile["cores_by_process"].items())
+        lines += ["", f"## Profile: {target['name']} (an extra run, py-spy on)", "",
+                  f"CPU cores by process: {cores}.", ""]
+        for process, functions in profile["top_functions"].items():
+            lines += [f"{process} (flame graph: `profile/{target['name']}-{process}.svg`), share of the samples "
+                      "holding the GIL:", "",
+                      "| function | own | on the stack |", "|---|---|---|"]
+            lines += [f"| `{name}` | {own:.1%} | {anywhere:.1%} |" for name, own, anywhere in functions]
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -158,19 +253,29 @@ def _log(message: str) -> None:
     print(f"[vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Namespace, out: Path) -> list[dict]:
+def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Namespace, out: Path,
+             profile: bool = False) -> tuple[list[dict], dict[str, Any] | None]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     warm = argparse.Namespace(**{**vars(args), "num_prompts": max(int(args.request_rate), 4)})
     subprocess.run(bench_command(url, model, tokenizer, warm, out / "warmup", f"{name}.json", seed=999),
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     runs = []
+    profiled = None
     for run in range(args.runs):
         result_name = f"{name}-run{run + 1}.json"
         _log(f"{name}: run {run + 1} of {args.runs}")
         subprocess.run(bench_command(url, model, tokenizer, args, out / "bench", result_name, seed=args.seed + run),
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         runs.append(json.loads((out / "bench" / result_name).read_text(encoding="utf-8")))
-    return runs
+    if profile:
+        _log(f"{name}: profiled run")
+        profiler = Profiler(out, name, args.num_prompts / args.request_rate + 5)
+        profiler.start()
+        subprocess.run(bench_command(url, model, tokenizer, args, out / "profile", f"{name}-bench.json",
+                                     seed=args.seed), check=True, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.STDOUT)
+        profiled = profiler.finish()
+    return runs, profiled
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="one more run per app target with py-spy on the proxy, Router and HotLane replica")
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     args = parser.parse_args(argv)
 
@@ -233,13 +340,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             served.start()
             _log(f"{name} ready after {served.wait_ready():.0f} s")
-            runs = _measure(name, url, model, tokenizer, args, out)
+            runs, profiled = _measure(name, url, model, tokenizer, args, out,
+                                      profile=args.profile and "document" in step)
         except (AppStartError, subprocess.CalledProcessError) as error:
             print(f"{name}: {error}", file=sys.stderr)
             return 1
         finally:
             served.stop()
         target = {"name": name, "config": step["config"], "runs": runs, "summary": summarize(runs)}
+        if profiled is not None:
+            target["profile"] = profiled
         if "document" in step:
             target["compared_with"] = step["compared_with"]
         else:

@@ -39,3 +39,16 @@ def test_ratios_are_medians_over_the_servers_medians_and_the_report_judges_the_t
                            "summary": app, "compared_with": "vllm-server-1", "ratios": ratios(app, server)}]}
     markdown = render_markdown(report)
     assert "| app-1-local ÷ vllm-server-1 | 1.33 (≤ 1.5: yes) | 1.57 (≤ 1.5: no) |" in markdown
+
+
+def test_top_functions_ranks_own_samples_and_merges_lines():
+    from load_tests.vs_vllm import top_functions
+
+    collapsed = "\n".join([
+        "main (a/b/c/app.py:1);handle (app/router/http_api.py:40);encode (json/encoder.py:200) 6",
+        "main (a/b/c/app.py:1);handle (app/router/http_api.py:41) 3",
+        "main (a/b/c/app.py:1) 1",
+        "not a line",
+    ])
+    ranked = top_functions(collapsed, top=2)
+    assert ranked == [("encode (json/encoder.py)", 0.6, 0.6), ("handle (app/router/http_api.py)", 0.3, 0.9)]
