@@ -26,7 +26,6 @@ def gpu_app(hot: dict, cold: dict | None, **batch) -> dict:
 TP2 = {"engine": {"tensor_parallel_size": 2}}
 
 
-
 @pytest.mark.parametrize("hot, cold, gpus", [
     ({"num_gpus": 0.5}, {"num_gpus": 0.5}, 1.0),  # two lanes on one GPU (gpu-single.yaml's shape)
     ({"num_gpus": 1}, None, 1.0),  # the single-pool baseline on one GPU
