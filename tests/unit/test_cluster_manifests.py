@@ -114,8 +114,8 @@ def test_every_ray_pod_gets_the_batch_store_connection():
             {"secretRef": {"name": e["secretRef"]["name"]}} for e in container.get("envFrom", [])], name
     postgres = [d for d in yaml.safe_load_all((REPO / "cluster" / "kuberay" / "postgres.yaml").read_text()) if d]
     [statefulset] = [d for d in postgres if d["kind"] == "StatefulSet"]
-    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]
-            if "valueFrom" in e}
+    [postgres_container] = statefulset["spec"]["template"]["spec"]["containers"]
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in postgres_container["env"] if "valueFrom" in e}
     assert refs == {"llm-lanes-batch-store"}  # the in-cluster option reads the same Secret
 
 

@@ -234,7 +234,7 @@ def test_the_serve_check_catches_a_misspelt_option():
                                                           "applications[0].import_pth"]
 
 
-# ---- Grafana dashboard ------------------------------------------------------------------------------------------------
+# ---- Grafana dashboard ----------------------------------------------------------------------------------------------
 
 # Grafana replaces these before the query reaches Prometheus: $__rate_interval by a duration, $application by the
 # variable's value.
@@ -276,4 +276,5 @@ def test_dashboard_promql_parses():
 def test_the_promql_check_catches_a_broken_query():
     promql_parser = pytest.importorskip("promql_parser")
     with pytest.raises(ValueError):
-        promql_parser.parse(as_prometheus_sees_it("sum by (lane) (rate(ray_llm_lanes_requests_total[$__rate_interval])"))
+        promql_parser.parse(as_prometheus_sees_it(
+            "sum by (lane) (rate(ray_llm_lanes_requests_total[$__rate_interval])"))  # one ")" short

@@ -24,7 +24,9 @@ import json
 import time
 from dataclasses import asdict
 
-from app.tools.preflight.checks import _no_gpu, exit_code, gpu_item_status, run_checks, run_config_checks, run_gpu_checks
+from app.tools.preflight.checks import (
+    _no_gpu, exit_code, gpu_item_status, run_checks, run_config_checks, run_gpu_checks,
+)
 from app.tools.preflight.gather import gather_readings
 from app.tools.preflight.readings import BANDWIDTH_COPY_BYTES, MIN_HOST_DEVICE_GBPS, Check, Readings
 
