@@ -346,6 +346,9 @@ class BatchConfig(StrictModel):
     # Double the window (instead of +1) per interval until throughput stops improving: a short job reaches
     # window_max in a few intervals rather than one slot per interval.
     window_slow_start: bool = True
+    # true: every replica of this app runs on one machine (e.g. one 8-GPU host), so one SQLite file is shared by all;
+    # see check_batch_store for when a SQLite store is refused without it.
+    single_node: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "BatchConfig":
@@ -356,6 +359,33 @@ class BatchConfig(StrictModel):
     @property
     def is_postgres(self) -> bool:
         return is_postgres_url(self.store)
+
+
+def max_gpus(cfg: "AppConfig") -> float:
+    """GPUs the lanes hold at their largest (autoscaling.max_replicas, else num_replicas, x GPUs per replica)."""
+    total = 0.0
+    for lane in (cfg.hot_lane, cfg.cold_lane):
+        if lane is not None:
+            scaling = lane.deployment.autoscaling
+            total += (scaling.max_replicas if scaling else lane.deployment.num_replicas) * gpus_per_replica(lane)
+    return total
+
+
+def check_batch_store(cfg: "AppConfig") -> None:
+    """A SQLite store is one file on one machine: Router and ColdLane replicas on other nodes would each open their
+    own. The lanes can be on more than one node when device is gpu and, at their largest, they hold more than one
+    GPU (Ray places replicas and tensor-parallel groups on any node with free GPUs); then the store must be
+    PostgreSQL, unless batch.single_node says the whole app runs on one machine."""
+    if cfg.batch.is_postgres or cfg.batch.single_node or cfg.device != "gpu":
+        return
+    gpus = max_gpus(cfg)
+    if gpus > 1:
+        raise ValueError(
+            f"batch.store={cfg.batch.store!r} is a SQLite file, and the lanes can hold {gpus:g} GPUs, so their "
+            "replicas can be on more than one node, each with its own file (batches uploaded through one Router "
+            "invisible to the others, the cold lane's backlog empty): set batch.store to a postgresql:// URL, or "
+            "batch.single_node: true if every replica runs on one machine"
+        )
 
 
 # The exporters app.observability.tracing builds (a unit test checks they match TracingConfig.exporter's values).
@@ -419,6 +449,7 @@ class AppConfig(StrictModel):
             raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane "
                              "to the cold lane, and this app has only one lane: set it to 0 or add the other lane")
         self._check_realtime_reserve()
+        check_batch_store(self)
         return self
 
     def _check_realtime_reserve(self) -> None:

@@ -100,7 +100,8 @@ def test_tensor_parallel_size_must_be_positive():
 def test_tp_pair_gets_strict_pack_bundles():
     cfg = load_app_config(gpu_args(**{"hot_lane.engine.tensor_parallel_size": 2,
                                       "hot_lane.deployment.num_gpus": 0,
-                                      "hot_lane.deployment.num_cpus": 1}))
+                                      "hot_lane.deployment.num_cpus": 1,
+                                      "batch.single_node": True}))
     assert placement_group_bundles(cfg.hot_lane) == [{"GPU": 1, "CPU": 1}, {"GPU": 1}]
     options = lane_deployment_options(cfg.hot_lane)
     assert options["placement_group_strategy"] == "STRICT_PACK"

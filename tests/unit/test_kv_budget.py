@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from app.tools.kv_budget.budget import FAIL, PASS, WARN, BudgetInputs, block_size_checks, compute_budget
 from app.tools.kv_budget.cli import main
+from app.tools.kv_budget.known_models import KNOWN_MODEL_CONFIGS
 from app.tools.kv_budget.shape import (
     GIB, ModelShape, kv_bytes_per_token, kv_heads_per_rank, max_concurrent_sequences, parameter_count, tokens_fitting,
 )
@@ -311,8 +313,13 @@ def test_cli_serve_config_local_reads_schema(monkeypatch, capsys):
 
 def test_cli_serve_config_hub_model_needs_model_config(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    unknown = tmp_path / "unknown.yaml"
+    raw = yaml.safe_load((REPO / "serve_configs/prod.yaml").read_text())
+    raw["applications"][0]["args"]["model"]["source"] = "example-org/not-a-shipped-model"
+    unknown.write_text(yaml.safe_dump(raw))
     with pytest.raises(SystemExit, match="--model-config"):
-        main(["--serve-config", str(REPO / "serve_configs/prod.yaml")])
+        main(["--serve-config", str(unknown)])
     config = write_config(tmp_path, QWEN2_5_32B) / "config.json"
     code = main([
         "--serve-config", str(REPO / "serve_configs/prod.yaml"), "--lane", "hot", "--model-config", str(config),
@@ -323,6 +330,37 @@ def test_cli_serve_config_hub_model_needs_model_config(tmp_path, monkeypatch, ca
     assert data["inputs"]["tensor_parallel_size"] == 2
     assert data["kv_bytes_per_token_per_gpu"] == 131_072
     assert data["inputs"]["gpu_memory_utilization"] == 0.85
+
+
+def test_cluster_readme_example_runs_as_written_with_the_shipped_numbers(tmp_path, monkeypatch, capsys):
+    """cluster/README.md's command, with no config.json anywhere: prod.yaml's model has its numbers shipped."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    readme = " ".join((REPO / "cluster" / "README.md").read_text().split())  # prose wraps across lines
+    command = "python -m app.tools.kv_budget --serve-config serve_configs/prod.yaml --lane hot --gpu-memory-gib 80"
+    assert command in readme
+    code = main(command.split()[3:])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "shipped for Qwen/Qwen2.5-32B-Instruct" in err
+    assert "30.51 GiB per GPU" in out and "= 307,072 tokens" in out  # the README's figures
+    assert "37 GiB" in readme and "307K tokens" in readme and "9 full 32K-token sequences" in readme
+    # the shipped numbers are Qwen2.5-32B's config.json
+    assert shape(KNOWN_MODEL_CONFIGS["Qwen/Qwen2.5-32B-Instruct"]) == shape(QWEN2_5_32B)
+
+
+def test_a_config_json_in_the_hugging_face_cache_is_used(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen2.5-32B-Instruct" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({**QWEN2_5_32B, "num_hidden_layers": 32}))
+    (cache / "models--Qwen--Qwen2.5-32B-Instruct" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen2.5-32B-Instruct" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(REPO)
+    code = main(["--serve-config", "serve_configs/prod.yaml", "--lane", "hot", "--gpu-memory-gib", "80", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["inputs"]["shape"]["num_layers"] == 32  # the cached file, not the shipped numbers
 
 
 # ---- engines sharing one GPU (--shared-gpu) ----------------------------------------------------------------------

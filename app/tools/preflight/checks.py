@@ -9,13 +9,23 @@ from packaging.version import Version
 
 from app.tools.preflight.readings import (
     FAIL, HOT_PREFILL_GRAPH_TOKENS, MAX_HEALTH_CHECK_PERIOD_S, MIN_CUDA_VERSION, MIN_HOST_DEVICE_GBPS, PASS,
-    PCIE_X16_GBPS, SKIP, TIMEOUT_OVER_P99, WARN, Check, Readings, mps_pipe_directory, tp_pairs,
+    PCIE_X16_GBPS, SKIP, TIMEOUT_OVER_P99, UNCHECKED, WARN, Check, Readings, mps_pipe_directory, tp_pairs,
 )
 
 
 def _no_gpu(r: Readings) -> str:
     # The reason (CPU build of torch, NVML error...) is printed once at the top and kept in the JSON readings.
     return "no NVIDIA GPU visible"
+
+
+def gpu_item_status(r: Readings) -> str:
+    """A GPU item with no GPU to look at: SKIP only for a CPU serve config (it does not apply); otherwise it applies
+    and was not checked, which is no pass (run preflight where the GPUs are, e.g. --cluster from the head)."""
+    return SKIP if r.device == "cpu" else UNCHECKED
+
+
+def _unseen(r: Readings, name: str, value: str, detail: str = "") -> Check:
+    return Check(name, gpu_item_status(r), value, detail or _no_gpu(r))
 
 
 def _version_at_least(version: str, minimum: str) -> bool:
@@ -28,7 +38,7 @@ def _version_at_least(version: str, minimum: str) -> bool:
 def check_gpu_architecture(r: Readings) -> Check:
     name = "GPU architecture consistent"
     if not r.has_gpu:
-        return Check(name, SKIP, "0 GPUs", _no_gpu(r))
+        return _unseen(r, name, "0 GPUs")
     kinds = sorted({f"{gpu} (sm_{cap[0]}{cap[1]})" for gpu, cap in zip(r.gpu_names, r.gpu_capabilities)})
     value = f"{len(r.gpu_names)} x " + ", ".join(kinds)
     if len(kinds) == 1:
@@ -39,7 +49,7 @@ def check_gpu_architecture(r: Readings) -> Check:
 def check_nvlink(r: Readings) -> Check:
     name = f"NVLink inside TP-{r.tensor_parallel_size} groups"
     if not r.has_gpu:
-        return Check(name, SKIP, "-", _no_gpu(r))
+        return _unseen(r, name, "-")
     if r.tensor_parallel_size < 2:
         return Check(name, SKIP, "TP 1", "no tensor-parallel groups to connect")
     if len(r.gpu_names) < r.tensor_parallel_size:
@@ -49,7 +59,7 @@ def check_nvlink(r: Readings) -> Check:
             "this node cannot host one",
         )
     if r.nvlink is None:
-        return Check(name, SKIP, "unknown", r.nvlink_unknown_reason or "NVLink state not readable")
+        return Check(name, UNCHECKED, "unknown", r.nvlink_unknown_reason or "NVLink state not readable")
     pairs = tp_pairs(len(r.gpu_names), r.tensor_parallel_size)
     missing = [f"{i}-{j}" for i, j in pairs if not r.nvlink.get(f"{i}-{j}", False)]
     links = ", ".join(f"GPU{g}: {n} links" for g, n in sorted(r.nvlink_active_links.items()))
@@ -65,9 +75,11 @@ def check_nvlink(r: Readings) -> Check:
 def check_host_device_bandwidth(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> Check:
     name = f"host<->device bandwidth >= {min_gbps:g} GB/s"
     if not r.has_gpu:
-        return Check(name, SKIP, "-", _no_gpu(r))
+        return _unseen(r, name, "-")
     if r.h2d_gbps is None or r.d2h_gbps is None:
-        return Check(name, SKIP, "not measured", r.bandwidth_unknown_reason or "")
+        reason = r.bandwidth_unknown_reason or "not measured"
+        # --no-bandwidth is the operator's choice (SKIP); a copy that failed or could not run is UNCHECKED
+        return Check(name, SKIP if reason.startswith("skipped") else UNCHECKED, "not measured", reason)
     value = f"H2D {r.h2d_gbps:.1f} GB/s, D2H {r.d2h_gbps:.1f} GB/s (pinned)"
     honest = (
         f"PCIe Gen4 x16 carries at most {PCIE_X16_GBPS['Gen4']} GB/s per direction and Gen5 x16 "
@@ -84,7 +96,7 @@ def check_cuda_version(r: Readings, minimum: str = MIN_CUDA_VERSION) -> Check:
     name = f"CUDA >= {minimum}"
     if r.cuda_runtime is None:
         if not r.has_gpu:
-            return Check(name, SKIP, f"torch {r.torch_version or 'not installed'} (no CUDA)", _no_gpu(r))
+            return _unseen(r, name, f"torch {r.torch_version or 'not installed'} (no CUDA)")
         return Check(name, FAIL, f"torch {r.torch_version} has no CUDA", "install a CUDA build of torch")
     value = f"CUDA {r.cuda_runtime} (torch {r.torch_version})"
     if _version_at_least(r.cuda_runtime, minimum):
@@ -95,7 +107,7 @@ def check_cuda_version(r: Readings, minimum: str = MIN_CUDA_VERSION) -> Check:
 def check_driver(r: Readings) -> Check:
     name = "driver supports the CUDA runtime"
     if not r.has_gpu:
-        return Check(name, SKIP, "-", _no_gpu(r))
+        return _unseen(r, name, "-")
     if r.driver_version is None:
         return Check(name, WARN, "unknown", "driver version not readable (install nvidia-ml-py for NVML)")
     value = f"driver {r.driver_version}" + (f" (CUDA {r.driver_cuda})" if r.driver_cuda else "")
@@ -137,9 +149,10 @@ def check_triton(r: Readings) -> Check:
 def check_flash_attention(r: Readings) -> Check:
     name = "FlashAttention backend"
     if not r.has_gpu:
-        return Check(name, SKIP, "-", _no_gpu(r) + "; vLLM's CPU engine uses its own attention kernels")
+        cpu_note = "; vLLM's CPU engine uses its own attention kernels" if r.device == "cpu" else ""
+        return _unseen(r, name, "-", _no_gpu(r) + cpu_note)
     if r.flash_attention is None:
-        return Check(name, SKIP, "unknown", r.flash_attention_detail)
+        return Check(name, UNCHECKED, "unknown", r.flash_attention_detail or "not read")
     if r.flash_attention:
         return Check(name, PASS, "available", r.flash_attention_detail)
     return Check(
@@ -187,7 +200,7 @@ def check_mps_daemon(r: Readings) -> Check:
                      else "no serve config given (--serve-config)")
     value = "; ".join(f"{lane}: {', '.join(names)}" for lane, names in r.mps_settings.items())
     if not r.has_gpu:
-        return Check(name, SKIP, value, _no_gpu(r))
+        return _unseen(r, name, value)
     if r.mps_daemon:
         return Check(name, PASS, value, r.mps_daemon_evidence)
     return Check(
@@ -211,24 +224,33 @@ def check_hot_lane_prefill_graphs(r: Readings, minimum: int = HOT_PREFILL_GRAPH_
                  "hot_lane.engine.cuda_graph_max_tokens: 512 (docs/history.md, round 9)")
 
 
+# Items read on a GPU node (--cluster runs them there) and items read from the serve config (once, anywhere).
+GPU_CHECKS: list[Callable[..., Check]] = [
+    check_gpu_architecture, check_nvlink, check_host_device_bandwidth, check_cuda_version, check_driver, check_triton,
+    check_flash_attention, check_mps_daemon,
+]
+CONFIG_CHECKS: list[Callable[[Readings], Check]] = [
+    check_health_check_period, check_request_timeout, check_hot_lane_prefill_graphs,
+]
+
+
+def run_gpu_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Check]:
+    return [check(r, min_gbps) if check is check_host_device_bandwidth else check(r) for check in GPU_CHECKS]
+
+
+def run_config_checks(r: Readings) -> list[Check]:
+    return [check(r) for check in CONFIG_CHECKS]
+
+
 def run_checks(r: Readings, min_gbps: float = MIN_HOST_DEVICE_GBPS) -> list[Check]:
-    checks: list[Callable[[Readings], Check]] = [
-        check_gpu_architecture,
-        check_nvlink,
-        lambda readings: check_host_device_bandwidth(readings, min_gbps),
-        check_cuda_version,
-        check_driver,
-        check_triton,
-        check_flash_attention,
-        check_health_check_period,
-        check_request_timeout,
-        check_mps_daemon,
-        check_hot_lane_prefill_graphs,
-    ]
-    return [check(r) for check in checks]
+    return run_gpu_checks(r, min_gbps) + run_config_checks(r)
 
 
-def exit_code(checks: list[Check], strict: bool = False) -> int:
+def exit_code(checks: list[Check], strict: bool = False, allow_unchecked: bool = False) -> int:
+    """1: a FAIL (with strict, a WARN too); 2: nothing failed but some item could not be checked; 0: all checked."""
     failing = {FAIL, WARN} if strict else {FAIL}
-    return 1 if any(check.status in failing for check in checks) else 0
-
+    if any(check.status in failing for check in checks):
+        return 1
+    if not allow_unchecked and any(check.status == UNCHECKED for check in checks):
+        return 2
+    return 0

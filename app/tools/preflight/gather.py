@@ -124,6 +124,7 @@ def _read_torch(r: Readings, bandwidth: bool, copy_bytes: int) -> None:
     r.torch_version = torch.__version__
     r.cuda_runtime = torch.version.cuda
     if not torch.cuda.is_available():
+        r.bandwidth_unknown_reason = r.bandwidth_unknown_reason or "torch sees no CUDA device"
         r.no_gpu_reason = r.no_gpu_reason or (
             f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
             else "torch.cuda.is_available() is False"
@@ -202,6 +203,7 @@ def _read_serve_config(r: Readings, path: str, app_name: str | None) -> None:
 
     raw, app = read_serve_config(path, app_name)
     r.serve_config = path
+    r.device = app.device
     # A one-lane app (the single-pool baselines: cold_lane null) has only the hot lane to check.
     lanes = {name: lane for name in ("hot_lane", "cold_lane") if (lane := getattr(app, name)) is not None}
     r.health_check_periods_s = {name: lane.deployment.health_check_period_s for name, lane in lanes.items()}
@@ -225,8 +227,13 @@ def gather_readings(
     p99_ms: float | None = None,
     bandwidth: bool = True,
     copy_bytes: int = BANDWIDTH_COPY_BYTES,
+    device: str | None = None,
+    mps_settings: dict[str, list[str]] | None = None,
 ) -> Readings:
-    r = Readings(request_timeout_s=request_timeout_s, p99_ms=p99_ms)
+    """The machine's readings. On a GPU node of a cluster, the head passes what it read from the serve config
+    (tensor_parallel_size, device, mps_settings) instead of a serve_config path."""
+    r = Readings(request_timeout_s=request_timeout_s, p99_ms=p99_ms, device=device,
+                 mps_settings=dict(mps_settings or {}))
     if request_timeout_s is not None:
         r.request_timeout_source = " (--request-timeout-s)"
     if serve_config:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+# An item that applies here but could not be checked (no GPU visible, NVML missing, the GPUs held): never a pass.
+UNCHECKED = "UNCHECKED"
 
 # The tuning guide's checklist values.
 MIN_CUDA_VERSION = "12.1"
@@ -30,7 +32,7 @@ PCIE_X16_GBPS = {"Gen4": 31.5, "Gen5": 63.0}
 @dataclass(frozen=True)
 class Check:
     name: str
-    status: str  # PASS / WARN / FAIL / SKIP
+    status: str  # PASS / WARN / FAIL / SKIP (does not apply) / UNCHECKED (applies, could not be checked)
     value: str  # what was measured or read
     detail: str = ""
 
@@ -61,6 +63,7 @@ class Readings:
     flash_attention_detail: str = ""
     tensor_parallel_size: int = 2
     serve_config: str | None = None
+    device: str | None = None  # the serve config's device: "cpu" makes the GPU items not applicable (SKIP)
     health_check_periods_s: dict[str, float] = field(default_factory=dict)  # lane -> period
     request_timeout_s: float | None = None
     request_timeout_source: str = ""
