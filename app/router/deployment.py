@@ -164,14 +164,14 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         return await admin_document(self.lane_handles, self.prefix_cache, self.pipeline, self.dispatcher)
 
     async def __del__(self):
-        # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.
-        self.dispatcher.stop()
+        # Graceful shutdown (serve run stopped, serve deploy, scale-down): in-flight batch lines get half the
+        # replica's shutdown time to be recorded; the leases of the rest are released, not left to run out.
         self._backlog_metrics_task.cancel()
         self.tracing.shutdown()
         try:
-            await asyncio.wait_for(self._dispatcher_task, timeout=10)
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
-            pass
+            await self.dispatcher.shutdown(self._dispatcher_task, self.cfg.router.graceful_shutdown_timeout_s / 2)
+        except Exception as error:  # the store is gone too: the leases then run out after lease_s
+            logger.warning("batch dispatcher did not shut down cleanly: %r", error)
         self.pipeline.shutdown()
 
 
