@@ -55,6 +55,7 @@ class Load:
 
     url: str
     model: str
+    flex_tokens: int = 32
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     outcomes: list[Outcome] = field(default_factory=list)
 
@@ -92,8 +93,10 @@ class Load:
             self.outcomes.append(outcome)
             try:
                 response = await client.post(f"{self.url}/v1/completions", json={
-                    "model": self.model, "prompt": "flex", "max_tokens": 32, "service_tier": "flex"})
-                outcome.status = response.status_code
+                    "model": self.model, "prompt": "flex", "max_tokens": self.flex_tokens, "ignore_eos": True,
+                    "service_tier": "flex"})
+                outcome.status, outcome.replica = response.status_code, response.headers.get(
+                    "x-llm-lanes-replica", "")
                 outcome.finished = response.status_code == 200 and bool(response.json()["choices"][0]["text"])
                 if not outcome.finished:
                     outcome.error = response.text[:300]
