@@ -72,6 +72,11 @@ class Supervisor:
             pass
 
     def run(self) -> int:
+        """Run the child to its end; its exit status, or 128 + N when signal N ended it (the shell's convention)."""
+        code = self._run()
+        return 128 - code if code < 0 else code
+
+    def _run(self) -> int:
         # Handlers first: a caught signal is reset to its default in the child at exec, so `serve run` gets a
         # working SIGINT even when this process started with SIGINT ignored.
         for signum in STOP_SIGNALS:
@@ -111,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
                         help="seconds the graceful shutdown may take before it is forced (default %(default)s)")
     args = parser.parse_args(argv)
-    code = Supervisor(serve_command(args.config), args.stop_timeout).run()
-    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+    return Supervisor(serve_command(args.config), args.stop_timeout).run()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def write_lane_loss_config(tmp_dir, tiny_model):
 def running_replicas(deployment: str) -> int:
     try:
         app = httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"]["llm-lanes"]
-        return app["deployments"][deployment]["replica_states"].get("RUNNING", 0)
+        return sum(replica["state"] == "RUNNING" for replica in app["deployments"][deployment]["replicas"])
     except (httpx.HTTPError, KeyError, ValueError):
         return 0
 
