@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # A request whose lane replica is lost before its first chunk is decided and started again, this many times: Serve
 # takes the dead replica out of rotation at its first error, so a retry reaches another replica, or waits in the
-# handle for the replacement; a second loss in a row is most likely a lane going down as a whole.
+# handle for the replacement. More losses in a row are a lane going down as a whole, which its breaker answers.
 LANE_LOSS_RETRIES = 2
 
 

@@ -79,3 +79,16 @@ def test_a_call_without_an_outcome_neither_resets_nor_adds_to_the_failure_streak
     assert control.breakers[Lane.HOT].state is BreakerState.CLOSED
     control.finished(RequestClass.INTERACTIVE, Lane.HOT, ok=False, e2e_s=None)
     assert control.breakers[Lane.HOT].state is BreakerState.OPEN
+
+
+async def test_batch_work_waiting_for_an_open_breaker_runs_once_the_lane_answers_again(tmp_path):
+    router = make_router(tmp_path, admission={"breaker": {"failure_threshold": 2, "cooldown_s": 0.3,
+                                                          "success_threshold": 1}})
+    router.lanes["cold"] = DeadLane("cold")
+    for i in range(2):
+        await _execute_batch_line_once(router.pipeline, line(i))
+    assert router.control.breakers[Lane.COLD].state is BreakerState.OPEN
+    router.lanes["cold"] = FakeLane("cold")  # the replacement replica is up
+    result = await asyncio.wait_for(_execute_batch_line_once(router.pipeline, line(9)), timeout=10)
+    assert result["status_code"] == 200, result
+    assert router.control.breakers[Lane.COLD].state is BreakerState.CLOSED
