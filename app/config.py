@@ -283,6 +283,10 @@ class RouterConfig(StrictModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     # Default completion length when the client sends no max_tokens.
     default_max_tokens: int = Field(256, ge=1)
+    graceful_shutdown_timeout_s: float = Field(
+        20, gt=0, description="How long a stopping Router replica (serve run stopped, serve deploy, scale-down) "
+                              "keeps serving its open streams before it is killed: set it above the longest stream's "
+                              "duration so a rolling update fails none. Half of it is the batch lines' time to finish.")
 
 
 class PrefixCacheConfig(StrictModel):

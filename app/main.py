@@ -118,6 +118,7 @@ def build_app(args: dict[str, Any]) -> Application:
     router = Router.options(
         num_replicas=cfg.router.num_replicas,
         max_ongoing_requests=cfg.router.max_ongoing_requests,
+        graceful_shutdown_timeout_s=cfg.router.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": cfg.router.num_cpus},
     ).bind(app_args, hot, cold, prefix_cache)
     return router

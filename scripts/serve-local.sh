@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job: serve llm-lanes on the embedded default (CPU, tiny model, serve_configs/local.yaml).
+# Stop it with Ctrl-C, or `kill PID` / `kill -INT PID` when it runs in the background: the app drains and shuts
+# down, and the local Ray cluster that `serve run` started goes with it (app/tools/serve_run.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-exec .venv/bin/serve run "${1:-serve_configs/local.yaml}"
+exec .venv/bin/python -m app.tools.serve_run "${1:-serve_configs/local.yaml}"

@@ -125,6 +125,26 @@ class BatchDispatcher:
         """Ask run() to stop claiming; it returns once the lines in flight have been recorded."""
         self._stopping.set()
 
+    async def shutdown(self, run_task: asyncio.Task, grace_s: float) -> list[tuple[str, int]]:
+        """Stop `run_task` (this dispatcher's run()): stop claiming, give the lines in flight `grace_s` to be
+        recorded, then cancel the rest and release their leases, so that a dispatcher still running (another Router
+        replica, or this one's successor) claims them at once instead of after lease_s. Returns the released lines.
+        A release that loses to a recorded outcome or an expired lease changes nothing (the store's owner check)."""
+        self.stop()
+        done, _ = await asyncio.wait([run_task], timeout=grace_s)
+        if done:
+            return []
+        unfinished = list(self._in_flight)
+        run_task.cancel()
+        await asyncio.gather(run_task, *self._in_flight.values(), return_exceptions=True)
+        released = []
+        for batch_id, line_no in unfinished:
+            if await self._store_call(self.store.release_line, batch_id, line_no, self.owner):
+                released.append((batch_id, line_no))
+        if released:
+            logger.info("dispatcher %s stopping: released %d leased lines", self.owner, len(released))
+        return released
+
     async def run(self) -> None:
         """The dispatch loop: claim up to the window, run, renew, record, finalize. Returns after stop()."""
         await self._store_call(self.store.expire_overdue_batches)

@@ -44,6 +44,11 @@ class LaneSaturated(Exception):
         self.reason = reason
 
 
+class LaneReplicaLost(Exception):
+    """The lane replica serving a call is gone (killed, crashed, its node lost): raised at the Router by the lane
+    clients in place of Ray's actor errors, so the request path can tell a lost replica from other failures."""
+
+
 class LaneRequestInvalid(Exception):
     """Raised by a lane when its engine refuses the request itself (a sampling value or prompt it cannot take),
     before any token: the client's error (400 naming `param`), not the lane's, so no breaker counts it.

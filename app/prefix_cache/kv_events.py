@@ -365,15 +365,19 @@ class KVEventSubscriber:
         self.translator.apply_events(batch.events)
 
     async def flush(self) -> None:
-        update = self.translator.snapshot() if self._needs_resync else self.translator.drain()
+        # The flag is taken before the report is sent, not cleared after it: a resync asked for while the report is
+        # on its way (its answer names a restarted, empty PrefixCache; the stats heartbeat noticed one) is for the
+        # next flush. Cleared after the send, that request was lost whenever the first report to reach a restarted
+        # PrefixCache was a plain drain, and the new index never got what the engine held before.
+        resync, self._needs_resync = self._needs_resync, False
+        update = self.translator.snapshot() if resync else self.translator.drain()
         if update.is_empty():
             return
         try:
             await self.on_update(update)
             self.stats.reports += 1
-            if update.cleared and self._needs_resync:
+            if resync:
                 self.stats.resyncs += 1
-            self._needs_resync = False
         except Exception as error:  # PrefixCache slow/down must not stop the feed; resync when it is back
             self.stats.report_errors += 1
             self._needs_resync = True

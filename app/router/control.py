@@ -119,8 +119,9 @@ class TrafficControl:
               continuation: bool = False, waited_s: float = 0.0) -> RouteDecision | RouteRefusal:
         """The routing decision from the present state; `waited_s`: how long the request has been at the Router."""
         admission = self.cfg.admission
-        open_breakers = {lane: b.retry_after_s() for lane, b in self.breakers.items()
-                         if b.state is BreakerState.OPEN}
+        # A half-open breaker whose probes are taken refuses too (retry_after_s > 0): the decision moves or holds
+        # the request instead of starting it into a refusal.
+        open_breakers = {lane: wait for lane, b in self.breakers.items() if (wait := b.retry_after_s()) > 0}
         if not self.enabled:
             return decide_route(RouteInputs(request_class, prompt_tokens, max_tokens, self.lane_caps,
                                             long_context_threshold=10**12, open_breakers=open_breakers,

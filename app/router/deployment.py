@@ -9,12 +9,13 @@ import logging
 from typing import Any
 
 from ray import serve
+from ray.exceptions import RayActorError
 
 from app.batch.store import BatchStoreError
 from app.classes import Lane
 from app.config import load_app_config
 from app.lanes.replica_stats import merge_replica_stats
-from app.lanes.types import LaneRequest
+from app.lanes.types import LaneReplicaLost, LaneRequest
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
 from app.prefix_cache.mirror import mirror_stats
 from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
@@ -79,6 +80,26 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: 
     }
 
 
+class ServeLaneStream:
+    """A lane call's DeploymentResponseGenerator, with Ray's "the replica is gone" errors raised as LaneReplicaLost
+    (the request path has no Ray: app/router/lane_call.py retries a request its replica lost before it started)."""
+
+    def __init__(self, generator):
+        self._generator = generator
+
+    async def __anext__(self):
+        try:
+            return await self._generator.__anext__()
+        except Exception as error:
+            # Directly, or as the cause of a RayTaskError (an error that crossed another actor first).
+            if isinstance(error, RayActorError) or isinstance(getattr(error, "cause", None), RayActorError):
+                raise LaneReplicaLost(f"the lane replica is gone: {type(error).__name__}") from error
+            raise
+
+    def cancel(self) -> None:
+        self._generator.cancel()
+
+
 class ServeLaneClients:
     """The lanes' Serve handles as the pipeline's LaneClients: one streaming `generate` call per open()."""
 
@@ -86,7 +107,7 @@ class ServeLaneClients:
         self.handles = handles
 
     def open(self, lane: Lane, request: LaneRequest):
-        return self.handles[lane].options(stream=True).generate.remote(request)
+        return ServeLaneStream(self.handles[lane].options(stream=True).generate.remote(request))
 
 
 class RouterReplica(HttpApi, BatchApi, GrpcApi):
@@ -164,14 +185,14 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         return await admin_document(self.lane_handles, self.prefix_cache, self.pipeline, self.dispatcher)
 
     async def __del__(self):
-        # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.
-        self.dispatcher.stop()
+        # Graceful shutdown (serve run stopped, serve deploy, scale-down): in-flight batch lines get half the
+        # replica's shutdown time to be recorded; the leases of the rest are released, not left to run out.
         self._backlog_metrics_task.cancel()
         self.tracing.shutdown()
         try:
-            await asyncio.wait_for(self._dispatcher_task, timeout=10)
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
-            pass
+            await self.dispatcher.shutdown(self._dispatcher_task, self.cfg.router.graceful_shutdown_timeout_s / 2)
+        except Exception as error:  # the store is gone too: the leases then run out after lease_s
+            logger.warning("batch dispatcher did not shut down cleanly: %r", error)
         self.pipeline.shutdown()
 
 

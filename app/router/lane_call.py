@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from app.classes import Lane, RequestClass
-from app.lanes.types import LaneChunk, LaneRequest, LaneRequestInvalid, LaneSaturated
+from app.lanes.types import LaneChunk, LaneReplicaLost, LaneRequest, LaneRequestInvalid, LaneSaturated
 from app.router import openai_api as api
 from app.router.control import TrafficControl
 from app.router.endpoints import Endpoint
@@ -20,6 +21,11 @@ from app.router.record import CLIENT_CLOSED_STATUS, RequestRecord
 from app.router.spill import RouteDecision
 
 logger = logging.getLogger(__name__)
+
+# A request whose lane replica is lost before its first chunk is decided and started again, this many times: Serve
+# takes the dead replica out of rotation at its first error, so a retry reaches another replica, or waits in the
+# handle for the replacement. More losses in a row are a lane going down as a whole, which its breaker answers.
+LANE_LOSS_RETRIES = 2
 
 
 class LaneStream(Protocol):
@@ -115,7 +121,7 @@ class LaneCall:
 
     async def start(self, decision: RouteDecision) -> None:
         try:
-            self._first = await self._start_on(decision)
+            self._first = await self._start_surviving_losses(decision)
         except LaneSaturated:
             # The hot replica keeps its KV headroom for realtime: the refusal is an input of a new decision.
             self._end_lane_call(ok=None)
@@ -124,7 +130,7 @@ class LaneCall:
             if decision.lane is Lane.HOT:
                 raise api.OpenAIError(503, "both lanes are saturated or failing; retry shortly", type="server_error",
                                       code="lanes_saturated", headers={"Retry-After": "1"}) from None
-            self._first = await self._start_on(decision)
+            self._first = await self._start_surviving_losses(decision)
         except BaseException:
             self._release_slot(record_hold=False)
             raise
@@ -135,9 +141,34 @@ class LaneCall:
         self._lane_finished_with(self._first)
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
+    async def _start_surviving_losses(self, decision: RouteDecision) -> LaneChunk:
+        """_start_on, again on a new decision when the replica is lost before the first chunk: nothing reached the
+        client yet, so the request is not lost with it. The loss counts against the lane's breaker, so the new
+        decision may move the request to the other lane."""
+        for retry in range(LANE_LOSS_RETRIES + 1):
+            try:
+                return await self._start_on(decision)
+            except LaneReplicaLost as error:
+                if retry == LANE_LOSS_RETRIES or self._remaining() <= 0:
+                    raise self._as_openai_error(error) from None
+                logger.warning("request %s: its %s lane replica was lost before the first token; starting it again",
+                               self.context.request_id, self.lane.value)
+                decision = self.route(self.context)
+        raise AssertionError("unreachable")
+
     async def _start_on(self, decision: RouteDecision) -> LaneChunk:
         """Take the decision's slot (waiting for a hot slot as long as the TTFT target and the deadline allow; past
         that, the request is decided again), then open the lane call."""
+        while decision.wait_for_lane_s > 0:
+            # Its lane's breaker refuses now (spill.py rule 6a: batch waits for the cold lane): wait, decide again.
+            if decision.wait_for_lane_s >= self._remaining():
+                lane = decision.lane.value
+                raise api.OpenAIError(503, f"the {lane} lane is failing and does not take requests again before "
+                                           f"this request's deadline; retry later", type="server_error",
+                                      code=f"{lane}_breaker_open",
+                                      headers={"Retry-After": str(math.ceil(decision.wait_for_lane_s))})
+            await asyncio.sleep(decision.wait_for_lane_s)
+            decision = self.route(self.context)
         self._lane_done = False
         if decision.takes_hot_slot:
             slots = self.control.hot_slots
@@ -181,6 +212,9 @@ class LaneCall:
         except LaneSaturated:
             self.stream.cancel()
             raise
+        except LaneReplicaLost as error:
+            self._fail(error)
+            raise  # _start_surviving_losses starts it again
         except BaseException as error:
             self._fail(error)
             raise self._as_openai_error(error) from None
@@ -314,5 +348,8 @@ class LaneCall:
         if isinstance(error, LaneRequestInvalid):
             # Read through Ray's wrapper to the lane's error: its str() is Ray's traceback, not the message.
             return api.OpenAIError(400, error.message, param=error.param, code="invalid_value")
+        if isinstance(error, LaneReplicaLost):
+            return api.OpenAIError(503, f"the {self.lane.value} lane replica serving this request was lost; retry",
+                                   type="server_error", code="lane_unavailable", headers={"Retry-After": "1"})
         return api.OpenAIError(503, f"the {self.lane.value} lane could not serve the request; retry shortly",
                                type="server_error", code="lane_unavailable", headers={"Retry-After": "1"})

@@ -22,9 +22,14 @@ The rule, in order:
       the Retry-Afters of a backlog of refusals over the lanes' admission rate: admission.RetrySchedule).
    The Router never sends the hot engines more interactive work than they run at once, and never leaves a hot slot
    idle while an interactive request waits for one.
-6. A lane that cannot fit the request, or whose breaker is open, hands over to the other lane when allowed: always
-   for "does not fit"; for an open breaker only for interactive, or to bring a request back to its home lane
-   (realtime stays on hot, batch stays off hot). Otherwise 503 with the breaker's Retry-After.
+6. A lane that cannot fit the request, or whose breaker refuses requests now (open, or half-open with its probes
+   taken), hands over to the other lane when allowed: always for "does not fit"; for a refusing breaker only for
+   interactive, or to bring a request back to its home lane. Otherwise:
+   a. batch waits in the Router for its lane (cold) for the breaker's Retry-After, then is decided again, until its
+      deadline: a lane that is down (a replica restarting, its engine loading) costs batch work time, not a 503.
+      It does not move to the hot lane: flex requests and batch lines (up to the dispatchers' windows) would take
+      the hot slots that interactive requests wait for, for as long as the cold lane is down;
+   b. realtime and interactive: 503 with the breaker's Retry-After (waiting would spend their latency target).
 7. max_tokens above the chosen lane's cap is clipped, not refused.
 8. Decode handoff: an interactive request that starts on the hot lane hands its decode to the cold lane after
    `decode_handoff_tokens` tokens where app/router/handoff.py says it may.
@@ -47,6 +52,9 @@ COLD_LANE_INTERACTIVE_PRIORITY = CLASS_POLICIES[RequestClass.INTERACTIVE].priori
 # Retry-After is clamped: under 1 s clients hammer us, over 60 s they give up on a service that may recover sooner.
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 60
+# The shortest wait for a lane's breaker (rule 6a): a breaker about to let requests through again is asked again
+# after this, not in a busy loop.
+LANE_WAIT_MIN_S = 0.25
 
 REASON_LONG_CONTEXT = "long_context"
 REASON_HOT_SATURATED = "hot_saturated"
@@ -116,6 +124,8 @@ class RouteDecision:
     takes_cold_spill: bool = False
     # Tokens the hot lane generates before the cold lane continues the answer; None: one lane serves it all.
     handoff_after: int | None = None
+    # Wait this long in the Router for the lane's breaker, then decide again (rule 6a); 0: start now.
+    wait_for_lane_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,10 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
             and other not in inputs.open_breakers
             and _breaker_reroute_allowed(cls, other)
         )
+        if not can_move and cls is RequestClass.BATCH and lane is Lane.COLD:
+            return RouteDecision(lane=lane, priority=policy_for(cls).priority, max_tokens=inputs.max_tokens,
+                                 reasons=(*reasons, reason_breaker_open(lane)),
+                                 wait_for_lane_s=max(inputs.open_breakers[lane], LANE_WAIT_MIN_S))
         if not can_move:
             return RouteRefusal(
                 503,

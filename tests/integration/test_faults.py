@@ -1,11 +1,14 @@
 """Faults on the shared test app (they kill replicas and restart the app, so the module is marked `disrupts_app`:
-the next module on that app gets a fresh one, and the conftest runs it last among that app's modules): nothing in a batch is lost or recorded twice, and
-interactive traffic carries on on the hot lane while the cold lane's replica is replaced."""
+the next module on that app gets a fresh one, and the conftest runs it last among that app's modules): nothing in a batch is lost or recorded twice,
+interactive traffic carries on on the hot lane while the cold lane's replica is replaced, and flex requests wait for
+the cold lane instead of failing (two replicas, one lost: tests/integration/test_lane_loss.py)."""
 
 from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -36,12 +39,60 @@ def assert_each_line_recorded_once(openai_client, batch, count: int) -> None:
     assert set(custom_ids) == {f"req-{i}" for i in range(count)}
 
 
+class FlexClients:
+    """Flex requests (`service_tier: "flex"`) back to back from a few threads, each outcome kept."""
+
+    def __init__(self, app_url: str, model: str, threads: int = 3):
+        self.app_url, self.model = app_url, model
+        self.stopping = threading.Event()
+        self.outcomes: list[tuple[float, float, int, str]] = []  # (sent, answered, status, error code)
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=300) as client:
+            while not self.stopping.is_set():
+                sent = time.monotonic()
+                try:
+                    response = client.post(f"{self.app_url}/v1/completions", json={
+                        "model": self.model, "prompt": "flex", "max_tokens": 16, "service_tier": "flex"})
+                    status = response.status_code
+                    code = "" if status == 200 else str(response.json().get("error", {}).get("code"))
+                except httpx.HTTPError as error:
+                    status, code = 0, repr(error)
+                self.outcomes.append((sent, time.monotonic(), status, code))
+                time.sleep(0.2)
+
+    def __enter__(self) -> "FlexClients":
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=320)
+
+
 def test_killing_the_cold_replica_mid_batch_loses_nothing(app_url, openai_client,
                                                                                 served_model):
     batch = submit(openai_client, served_model, 120, max_tokens=200)
     assert wait_until(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 10,
                       timeout_s=120)
-    kill_the_only_replica("ColdLane")
+    with FlexClients(app_url, served_model) as flex:
+        time.sleep(2)
+        killed_at = time.monotonic()
+        kill_the_only_replica("ColdLane")
+        _while_the_cold_replica_is_replaced(app_url, openai_client, served_model, batch)
+    # Flex requests waited for the cold lane (routing rule 6a) or were started again after the loss: none failed.
+    failed = [outcome for outcome in flex.outcomes if outcome[2] != 200]
+    waited = [outcome for outcome in flex.outcomes if outcome[0] < killed_at + 5 < outcome[1]]
+    print(f"flex during the cold replica's loss: {len(flex.outcomes)} requests, {len(failed)} failed, "
+          f"longest wait {max(end - sent for sent, end, _, _ in flex.outcomes):.0f} s")
+    assert not failed, failed[:10]
+    assert waited, "no flex request was waiting while the cold lane was down"
+
+
+def _while_the_cold_replica_is_replaced(app_url, openai_client, served_model, batch) -> None:
     # Its vLLM engine processes go with it (app/lanes/engine_reaper.py): they would hold the memory its replacement
     # needs.
     assert wait_until(lambda: not orphaned_engine_processes(), timeout_s=30), orphaned_engine_processes()

@@ -253,6 +253,53 @@ async def test_run_stops_cleanly_and_resumes_later(db_path):
     store.close()
 
 
+async def test_shutdown_releases_the_leases_of_lines_still_running_after_the_grace(db_path):
+    lease_s = 60  # long: a released line is claimable at once, an expired one only after this
+    store = SqliteBatchStore(db_path)
+    batch = make_batch(store, 12)
+    hanging = asyncio.Event()
+
+    async def finish_the_first_four_then_hang(line: ClaimedLine) -> dict:
+        if line.line_no <= 4:
+            return ok(line)
+        hanging.set()
+        await asyncio.Event().wait()  # a stream that outlives the replica's shutdown time
+        raise AssertionError("unreachable")
+
+    dispatcher = BatchDispatcher(store, finish_the_first_four_then_hang,
+                                 batch_settings((6, 6), lease_s=lease_s, poll_interval_s=0.01))
+    task = asyncio.create_task(dispatcher.run())
+    await asyncio.wait_for(hanging.wait(), 5)
+    await asyncio.sleep(0.05)
+    leased = store.backlog_stats().leased_lines
+    released = await dispatcher.shutdown(task, grace_s=0.2)
+    assert task.done() and dispatcher.in_flight == 0
+    assert leased > 0 and len(released) == leased and store.backlog_stats().leased_lines == 0
+    # Another dispatcher claims the released lines at once (no lease_s wait) and finishes the batch exactly once.
+    engine = FakeEngine()
+    await BatchDispatcher(store, engine, batch_settings((6, 6), lease_s=lease_s, poll_interval_s=0.01)
+                          ).run_until_idle(max_wait_s=5)
+    assert {line_no for _, line_no in released} <= {line_no for _, line_no in engine.executions}
+    final = store.get_batch(batch.id)
+    assert final.status == "completed" and final.request_counts.completed == 12
+    ids = output_ids(store, batch.id)
+    assert len(ids) == 12 and len(set(ids)) == 12
+    store.close()
+
+
+async def test_shutdown_within_the_grace_releases_nothing(db_path):
+    store = SqliteBatchStore(db_path)
+    make_batch(store, 8)
+    engine = FakeEngine(delay_s=(0.01, 0.02))
+    dispatcher = BatchDispatcher(store, engine, batch_settings((4, 4), poll_interval_s=0.01))
+    task = asyncio.create_task(dispatcher.run())
+    while not engine.executions:
+        await asyncio.sleep(0.005)
+    assert await dispatcher.shutdown(task, grace_s=5) == []  # the lines in flight were recorded
+    assert store.backlog_stats().leased_lines == 0
+    store.close()
+
+
 async def test_lease_is_renewed_while_a_slow_line_runs(db_path):
     store = SqliteBatchStore(db_path)
     batch = make_batch(store, 1)

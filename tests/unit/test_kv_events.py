@@ -281,3 +281,28 @@ async def test_failed_report_leads_to_a_full_resync():
     assert calls[-1].cleared and len(calls) == 3
     subscriber.handle_message([b"t", b"x"])  # malformed multipart
     assert subscriber.stats.decode_errors == 1
+
+
+async def test_a_resync_asked_for_while_a_report_is_on_its_way_is_sent_next():
+    """A restarted PrefixCache answers the first drain that reaches it with its new epoch, and the feed asks for a
+    resync inside that very report: the next flush must send everything the engine holds, not the next drain."""
+    calls = []
+    subscriber = None
+
+    async def report(update):
+        calls.append(update)
+        if len(calls) == 2:
+            subscriber.request_resync()  # what ReplicaPrefixFeed._note_epoch does on a new epoch
+
+    translator = KVEventTranslator(BLOCK)
+    subscriber = KVEventSubscriber(ipc_endpoint(), translator, report, decoder=lambda payload: payload)
+    subscriber.handle_message([b"t", (0).to_bytes(8, "big"), SimpleNamespace(events=[stored([1, 2], None, tokens(8))])])
+    await subscriber.flush()  # reaches the first PrefixCache
+    # It restarts empty; the next events' drain is the first report the new one gets.
+    subscriber.handle_message([b"t", (1).to_bytes(8, "big"), SimpleNamespace(events=[stored([3], 2, tokens(12)[8:])])])
+    await subscriber.flush()
+    assert not calls[1].cleared
+    await subscriber.flush()  # nothing new happened in the engine, but the new index lacks blocks 1 and 2
+    assert len(calls) == 3 and calls[2].cleared
+    assert set(calls[2].adds) == set(calls[0].adds) | set(calls[1].adds)
+    assert subscriber.stats.resyncs == 1

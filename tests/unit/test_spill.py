@@ -31,7 +31,7 @@ def route(request_class=IA, prompt_tokens=100, max_tokens=64, **kwargs) -> Route
 def test_each_class_goes_home_undegraded():
     for cls in RequestClass:
         decision = route(cls)
-        assert isinstance(decision, RouteDecision)
+        assert isinstance(decision, RouteDecision) and decision.wait_for_lane_s == 0
         assert decision.lane is CLASS_POLICIES[cls].lane
         assert decision.priority == CLASS_POLICIES[cls].priority
         assert decision.max_tokens == 64 and decision.reasons == ()
@@ -141,12 +141,21 @@ def test_interactive_rerouted_around_open_breaker():
     assert back.lane is HOT and back.reasons == ("hot_saturated", "cold_breaker_open")
 
 
-def test_realtime_and_batch_fail_fast_instead_of_crossing_lanes():
+def test_realtime_fails_fast_and_batch_waits_for_its_lane_instead_of_crossing_lanes():
     realtime = route(RT, open_breakers={HOT: 4.2})
     assert isinstance(realtime, RouteRefusal)
     assert realtime.status == 503 and realtime.code == "hot_breaker_open" and realtime.retry_after_s == 5
-    batch = route(BA, open_breakers={COLD: 0.1})
-    assert isinstance(batch, RouteRefusal) and batch.code == "cold_breaker_open" and batch.retry_after_s == 1
+    # Rule 6a: batch stays off the hot lane and waits for the cold lane's breaker, however free the hot lane is.
+    batch = route(BA, open_breakers={COLD: 3.5}, hot_slots=HotSlotState(free=4, predicted_wait_s=0))
+    assert isinstance(batch, RouteDecision) and batch.lane is COLD and batch.wait_for_lane_s == 3.5
+    assert batch.priority == CLASS_POLICIES[BA].priority and batch.reasons == ("cold_breaker_open",)
+    assert not batch.takes_hot_slot and not batch.takes_cold_spill
+    # A breaker about to let requests through is asked again shortly, not in a busy loop.
+    assert route(BA, open_breakers={COLD: 0.01}).wait_for_lane_s == pytest.approx(0.25)
+    # A long batch prompt on its way to the cold lane waits the same way.
+    assert route(BA, prompt_tokens=9000, open_breakers={COLD: 2}).wait_for_lane_s == 2
+    # Both lanes down: batch still waits for its own lane.
+    assert route(BA, open_breakers={HOT: 1, COLD: 2}).wait_for_lane_s == 2
     # A long-context realtime request may go back to its home lane when cold is down.
     home = route(RT, prompt_tokens=9000, open_breakers={COLD: 3})
     assert home.lane is HOT and home.reasons == ("long_context", "cold_breaker_open")

@@ -1,0 +1,129 @@
+"""Losing a replica under load, on an app with two cold-lane replicas and two Router replicas (its own app,
+"lane-loss"; marked `disrupts_app`: it kills replicas).
+
+- One of two cold replicas killed (its engine with it) while flex requests and interactive streams run: no request
+  fails. A flex request that was running on it had sent nothing yet (a non-streamed answer is one chunk), so the
+  Router starts it again on the other replica; while the cold lane's breaker refuses, flex waits for it.
+- One of two Router replicas killed while streams run through the proxy: only streams that were on it can end early;
+  every request sent after the kill is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import orphaned_engine_processes, wait_until, write_serve_config, \
+    write_shared_test_config
+from tests.integration.test_lifecycle import DASHBOARD, Load, Outcome
+
+pytestmark = [pytest.mark.app("lane-loss"), pytest.mark.disrupts_app]
+
+COLD_REPLICAS = 2
+ROUTER_REPLICAS = 2
+
+
+def write_lane_loss_config(tmp_dir, tiny_model):
+    config = write_shared_test_config(tmp_dir, tiny_model)
+    document = yaml.safe_load(config.read_text())
+    args = document["applications"][0]["args"]
+    args["cold_lane"]["deployment"]["num_replicas"] = COLD_REPLICAS
+    args["router"]["num_replicas"] = ROUTER_REPLICAS
+    # 16 - 4 (realtime) = 12 interactive slots, 6 per Router: the streams fit in one Router's share, nothing is
+    # refused for load, also while the survivor of a Router kill still has its old share.
+    args["hot_lane"]["engine"]["max_num_seqs"] = 16
+    return write_serve_config(config, document)
+
+
+def running_replicas(deployment: str) -> int:
+    try:
+        app = httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"]["llm-lanes"]
+        return sum(replica["state"] == "RUNNING" for replica in app["deployments"][deployment]["replicas"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return 0
+
+
+def all_replicas_running(_app) -> bool:
+    return running_replicas("ColdLane") == COLD_REPLICAS and running_replicas("Router") == ROUTER_REPLICAS
+
+
+@pytest.fixture(scope="module")
+def lane_loss_app(apps):
+    return apps.use("lane-loss", write_lane_loss_config, ready=all_replicas_running)
+
+
+def kill_one_replica(deployment: str) -> str:
+    """Kill one replica actor of `deployment` (no restart of that actor: Serve replaces it); its name."""
+    import ray
+
+    ray.init(address="auto", logging_level="ERROR")
+    try:
+        actors = sorted((a for a in ray.util.list_named_actors(all_namespaces=True)
+                         if f"#{deployment}#" in a["name"]), key=lambda a: a["name"])
+        assert len(actors) >= 2, actors
+        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+        return actors[0]["name"]
+    finally:
+        ray.shutdown()
+
+
+async def run_load_around(load: Load, workers: list, kill, settle_s: float, after_s: float) -> float:
+    """Run the load for `settle_s`, kill, keep it running `after_s`, stop it; the kill's time."""
+    await asyncio.sleep(settle_s)
+    killed_at = time.monotonic()
+    await asyncio.to_thread(kill)
+    await asyncio.sleep(after_s)
+    load.stop.set()
+    await asyncio.gather(*workers)
+    return killed_at
+
+
+def describe(outcomes: list[Outcome]) -> list[tuple]:
+    return [(o.kind, o.status, o.replica, o.error[:200]) for o in outcomes][:10]
+
+
+async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, served_model):
+    load = Load(lane_loss_app.url, served_model, flex_tokens=600)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30)) as client:
+        workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
+        workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
+        killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane"), settle_s=8,
+                                          after_s=25)
+    flex = [o for o in load.outcomes if o.kind == "flex"]
+    cold_replicas = {o.replica for o in flex if o.replica}
+    across = [o for o in flex if o.started < killed_at < o.ended]
+    failed = [o for o in load.outcomes if not o.finished]
+    print(f"cold replica killed: {len(load.outcomes)} requests, {len(flex)} flex ({len(across)} in flight at the "
+          f"kill) on replicas {sorted(cold_replicas)}, {len(failed)} failed")
+    assert len(cold_replicas) >= 2, "the flex load did not reach both cold replicas"
+    assert across, "no flex request was in flight at the kill: make them longer"
+    assert not failed, describe(failed)
+    assert wait_until(lambda: not orphaned_engine_processes(), timeout_s=30), orphaned_engine_processes()
+    # Serve replaces the replica; the app is whole again.
+    assert wait_until(lambda: running_replicas("ColdLane") == COLD_REPLICAS, timeout_s=240)
+
+
+async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lane_loss_app, served_model):
+    assert wait_until(lambda: all_replicas_running(lane_loss_app), timeout_s=240)
+    load = Load(lane_loss_app.url, served_model)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30)) as client:
+        workers = [asyncio.create_task(load.stream_forever(client, i)) for i in range(6)]
+        killed_at = await run_load_around(load, workers, lambda: kill_one_replica("Router"), settle_s=6,
+                                          after_s=15)
+    across = [o for o in load.outcomes if o.started < killed_at < o.ended]
+    # A request sent after the kill may still reach the dead replica before the proxy takes it out of rotation (its
+    # first error does): a second after the kill, none may.
+    after = [o for o in load.outcomes if o.started > killed_at + 1]
+    failed = [o for o in load.outcomes if not o.finished]
+    print(f"Router replica killed: {len(load.outcomes)} streams, {len(across)} in flight at the kill, "
+          f"{len(failed)} failed ({[o.error[:80] for o in failed]})")
+    assert after and all(o.finished for o in after), describe([o for o in after if not o.finished])
+    at_or_after = {id(o) for o in load.outcomes if o.started >= killed_at}
+    assert {id(o) for o in failed} <= {id(o) for o in across} | at_or_after, describe(failed)
+    # Streams on the other Router replica carried on: the kill cut at most the ones the dead replica held.
+    assert len({id(o) for o in failed} & {id(o) for o in across}) < len(across), "every stream in flight failed"
+    assert wait_until(lambda: running_replicas("Router") == ROUTER_REPLICAS, timeout_s=120)
