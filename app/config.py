@@ -7,6 +7,7 @@ configurable lives here.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -283,6 +284,9 @@ class RouterConfig(StrictModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     # Default completion length when the client sends no max_tokens.
     default_max_tokens: int = Field(256, ge=1)
+    # HTTP bodies and gRPC messages above this are refused (413, RESOURCE_EXHAUSTED) before they are parsed or
+    # tokenized; file uploads and SubmitBatch are bounded by batch.max_file_bytes instead.
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
 
 class PrefixCacheConfig(StrictModel):
@@ -388,6 +392,59 @@ class ObservabilityConfig(StrictModel):
     # vLLM's own engine metrics (ray_vllm_*) through its RayPrometheusStatLogger on Ray's metrics port.
     vllm_metrics: bool = True
 
+REQUEST_CLASS_NAMES = ("realtime", "interactive", "batch")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class ApiKeyConfig(StrictModel):
+    """One API key, stored as the SHA-256 of the key (hex): `printf %s "$KEY" | sha256sum`."""
+
+    sha256: str = Field(description="Hex SHA-256 of the key; the key itself is never stored or logged.")
+    tenant: str = Field(pattern=TENANT_PATTERN, description="Owner of the key's files and batches; a label in "
+                                                            "logs and metrics (the key never is).")
+    name: str | None = Field(None, pattern=TENANT_PATTERN, description="The key's name in logs (default: the first "
+                                                                       "8 hex digits of its hash).")
+    classes: list[Literal["realtime", "interactive", "batch"]] = Field(
+        default_factory=lambda: list(REQUEST_CLASS_NAMES),
+        description="Request classes the key may use; another class is refused with 403.")
+    admin: bool = Field(False, description="May call /v1/admin/* and gRPC GetStats.")
+    requests_per_minute: int | None = Field(None, ge=1, description="Over it: 429 (None: no limit).")
+    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + max_tokens at admission, corrected "
+                                                                  "to the tokens generated at the end.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ApiKeyConfig":
+        if not SHA256_HEX.match(self.sha256):
+            raise ValueError("sha256 must be 64 lower-case hex digits: the SHA-256 of the key "
+                             "(printf %s \"$KEY\" | sha256sum), never the key itself")
+        if not self.classes:
+            raise ValueError("classes is empty: a key must be allowed at least one request class")
+        return self
+
+
+class AuthConfig(StrictModel):
+    """API keys (app/router/auth.py). The keys come from `keys`, `keys_file` and `keys_env` together."""
+
+    mode: Literal["keys", "none"] = Field(
+        "keys", description="keys: every request needs a key (the Router refuses to start with none); none: no "
+                            "keys at all, a warning at start (only for an app nobody else can reach).")
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    keys_file: str | None = Field(None, description="A YAML or JSON file holding a list of keys (e.g. a mounted "
+                                                    "Kubernetes secret), read when each Router replica starts.")
+    keys_env: str | None = Field(None, description="An environment variable of the Router replicas holding a JSON "
+                                                   "list of keys (e.g. from a Kubernetes secret).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AuthConfig":
+        if self.mode == "none" and (self.keys or self.keys_file or self.keys_env):
+            raise ValueError("mode 'none' would ignore the keys given: set mode: keys, or drop keys, keys_file and "
+                             "keys_env")
+        hashes = [key.sha256 for key in self.keys]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("the same key (sha256) is listed twice: keep one entry per key")
+        return self
+
 
 class AppConfig(StrictModel):
     """The `args:` of a serve config (`import_path: app.main:build_app`)."""
@@ -403,6 +460,7 @@ class AppConfig(StrictModel):
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -17,8 +17,10 @@ from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneRequest
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
 from app.prefix_cache.mirror import mirror_stats
+from app.router.auth import KeyRing
 from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
 from app.router.control import TrafficControl
+from app.router.body_limit import BodyLimits
 from app.router.grpc_api import GrpcApi
 from app.router.http_api import HTTP_ROUTES, HttpApi, make_http_app
 from app.router.pipeline import RequestPipeline
@@ -99,6 +101,9 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         from app.observability.tracing import setup_tracing
 
         cfg = self.cfg = load_app_config(app_args)
+        # First: a Router without the keys its config names does not start (auth.mode none: a warning).
+        self.keyring = KeyRing.from_config(cfg.auth)
+        http_app.state.body_limits = BodyLimits(cfg.router.max_request_bytes, cfg.batch.max_file_bytes)
         # Built here, not at import: Serve's metrics pick up the replica's tags when they are created.
         self.metrics = LlmLanesMetrics()
         self.tracing = setup_tracing(cfg.observability.tracing.model_dump(), component="Router")

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from app.classes import Lane, RequestClass
 from app.lanes.types import LaneChunk, LaneRequest, LaneRequestInvalid, LaneSaturated
 from app.router import openai_api as api
+from app.router.auth import OPEN_PRINCIPAL, Principal
 from app.router.control import TrafficControl
 from app.router.endpoints import Endpoint
 from app.router.record import CLIENT_CLOSED_STATUS, RequestRecord
@@ -48,6 +49,12 @@ class RequestContext:
     route: RouteDecision | None = None
     lane: Lane | None = None
     reasons: list[str] = field(default_factory=list)
+    # Who sent it (its API key's tenant, classes and limits).
+    principal: Principal = OPEN_PRINCIPAL
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant
 
     @property
     def request_id(self) -> str:

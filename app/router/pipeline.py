@@ -22,6 +22,7 @@ from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tra
 from app.router import openai_api as api
 from app.router.control import TrafficControl
 from app.router.endpoints import Endpoint
+from app.router.auth import OPEN_PRINCIPAL, Principal, check_class
 from app.router.lane_call import LaneCall, LaneClients, RequestContext
 from app.router.prompts import PromptTokenizer
 from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RecentTtft, RequestRecord, reason_label
@@ -65,14 +66,15 @@ class RequestPipeline:
                                   param="model", code="model_not_found")
 
     def prepare(self, endpoint: Endpoint, body, class_header: str | None, record: RequestRecord,
-                client_timeout_s: float | None = None) -> RequestContext:
-        """Validate, tokenize once, classify: everything before admission. Raises OpenAIError."""
+                client_timeout_s: float | None = None, principal: Principal = OPEN_PRINCIPAL) -> RequestContext:
+        """Validate, classify, tokenize once: everything before admission. Raises OpenAIError."""
         self.check_model(body.model)
-        token_ids = self.tokenizer.token_ids(body)
         try:
             request_class = classify(body.service_tier, class_header)
         except UnknownRequestClass as error:
             raise api.OpenAIError(400, str(error), param=error.param, code="invalid_request_class") from None
+        check_class(principal, request_class, "X-Request-Class header" if class_header else "service_tier")
+        token_ids = self.tokenizer.token_ids(body)
         limit = self.cfg.model.max_model_len
         if len(token_ids) >= limit:
             raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the prompt has "
@@ -93,22 +95,25 @@ class RequestPipeline:
             trace_carrier=record.carrier(),
         )
         record.request_class = request_class
-        return RequestContext(endpoint, request_class, lane_request, record, max_tokens)
+        return RequestContext(endpoint, request_class, lane_request, record, max_tokens, principal=principal)
 
     # ---- the whole front half --------------------------------------------------------------------------------------
 
     async def start(self, endpoint: Endpoint, body, *, class_header: str | None = None,
-                    client_timeout_s: float | None = None, record: RequestRecord | None = None) -> "LaneCall":
+                    client_timeout_s: float | None = None, record: RequestRecord | None = None,
+                    principal: Principal = OPEN_PRINCIPAL) -> "LaneCall":
         """prepare -> admit -> route -> start on the lane (its first chunk in hand). Raises OpenAIError with the
-        right status; the request's outcome is counted here when it ends before its first chunk."""
+        right status; the request's outcome is counted here when it ends before its first chunk. `principal`: the
+        caller its API key names (the surfaces authenticate first); batch lines run as the open principal."""
         record = record if record is not None else self.new_record(endpoint)
         try:
             with record.span_for(SPAN_CLASSIFY):
                 if body.prompt_size() > TOKENIZE_INLINE_MAX_CHARS:
                     context = await asyncio.get_running_loop().run_in_executor(
-                        self.tokenize_executor, self.prepare, endpoint, body, class_header, record, client_timeout_s)
+                        self.tokenize_executor, self.prepare, endpoint, body, class_header, record, client_timeout_s,
+                        principal)
                 else:
-                    context = self.prepare(endpoint, body, class_header, record, client_timeout_s)
+                    context = self.prepare(endpoint, body, class_header, record, client_timeout_s, principal)
             return await self._admit_and_start(context)
         except api.OpenAIError as error:
             self._count_refusal(record, body, class_header, error.status)
