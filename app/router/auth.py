@@ -38,6 +38,7 @@ class Principal:
     admin: bool
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    key_id: str = "open"  # the first 16 hex digits of the key's hash: which rate-limit buckets it draws from
 
     def may_use(self, request_class: RequestClass) -> bool:
         return request_class in self.classes
@@ -109,7 +110,8 @@ class KeyRing:
             self._principals[key.sha256] = Principal(
                 tenant=key.tenant, label=key.name or key.sha256[:8],
                 classes=frozenset(RequestClass(name) for name in key.classes), admin=key.admin,
-                requests_per_minute=key.requests_per_minute, tokens_per_minute=key.tokens_per_minute)
+                requests_per_minute=key.requests_per_minute, tokens_per_minute=key.tokens_per_minute,
+                key_id=key.sha256[:16])
         if not self.open and not self._principals:
             raise KeySourceError("auth.mode is 'keys' but no key is configured: add auth.keys (SHA-256 hashes), "
                                  "auth.keys_file or auth.keys_env, or set auth.mode: none explicitly to serve "
@@ -126,6 +128,10 @@ class KeyRing:
             logger.info("API keys loaded: %d keys of %d tenants", len(ring._principals),
                         len({p.tenant for p in ring._principals.values()}))
         return ring
+
+    @property
+    def has_rate_limits(self) -> bool:
+        return any(p.requests_per_minute or p.tokens_per_minute for p in self._principals.values())
 
     @property
     def tenants(self) -> set[str]:

@@ -25,6 +25,7 @@ from app.router.grpc_api import GrpcApi
 from app.router.http_api import HTTP_ROUTES, HttpApi, make_http_app
 from app.router.pipeline import RequestPipeline
 from app.router.prompts import PromptTokenizer
+from app.router.rate_limits import RateLimiter
 from app.router.replica_counts import LANE_DEPLOYMENTS, ROUTER_DEPLOYMENT, running_replicas
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ LANE_OF_DEPLOYMENT = {deployment: lane for lane, deployment in LANE_DEPLOYMENTS.
 # How often each Router replica publishes the batch backlog and its admission queue depths, and re-reads the
 # running replica counts its shares follow.
 BACKLOG_METRICS_INTERVAL_S = 5.0
+# How often each Router replica gives back the rate-limit allowances it holds unused.
+RATE_LIMIT_RETURN_INTERVAL_S = 1.0
 # An admin stats call to a lane or the PrefixCache that takes longer than this is reported as an error.
 ADMIN_CALL_TIMEOUT_S = 5.0
 
@@ -77,7 +80,9 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: 
                    # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
                    "replica_routing": all_decision_stats(),
                    # Its copy of the prefix index (prefix_cache.lookup: local_mirror): size, age, syncs.
-                   "prefix_index_mirror": mirror_stats()},
+                   "prefix_index_mirror": mirror_stats(),
+                   # The API keys' rate limits at this Router: allowances held, exchanges with the shared buckets.
+                   "rate_limits": pipeline.rate_limits.stats() if pipeline.rate_limits else None},
     }
 
 
@@ -117,14 +122,27 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # times become the llm_lanes_replica_routing_seconds histogram.
         add_decision_observer(self._observe_replica_routing)
         tokenizer = PromptTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer_source))
+        # The keys' rate-limit buckets live in the PrefixCache, shared by every Router replica.
+        self.rate_limits = (RateLimiter(lambda orders: prefix_cache.rate_limit_exchange.remote(list(orders)))
+                            if self.keyring.has_rate_limits else None)
         self.pipeline = RequestPipeline(cfg, tokenizer, self.control, ServeLaneClients(handles), self.metrics,
-                                        self.tracing)
+                                        self.tracing, rate_limits=self.rate_limits)
         batch = cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
         # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
         self.dispatcher = BatchDispatcher(self.batch_store, lambda line: execute_batch_line(self.pipeline, line), batch)
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
+        self._rate_limit_task = asyncio.create_task(self._return_idle_allowances_forever())
+
+    async def _return_idle_allowances_forever(self) -> None:
+        """Rate-limit allowances this Router holds but does not use go back to the shared buckets."""
+        while self.rate_limits is not None:
+            await asyncio.sleep(RATE_LIMIT_RETURN_INTERVAL_S)
+            try:
+                await self.rate_limits.return_idle()
+            except Exception as error:  # limits must never take the Router down
+                logger.warning("could not return idle rate-limit allowances: %s", error)
 
     def _observe_replica_routing(self, deployment: str, decision, elapsed_s: float) -> None:
         lane = LANE_OF_DEPLOYMENT.get(deployment, deployment)
@@ -172,6 +190,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # Graceful shutdown: let in-flight lines finish recording; anything left is re-leased after lease_s.
         self.dispatcher.stop()
         self._backlog_metrics_task.cancel()
+        self._rate_limit_task.cancel()
         self.tracing.shutdown()
         try:
             await asyncio.wait_for(self._dispatcher_task, timeout=10)

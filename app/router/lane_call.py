@@ -16,6 +16,7 @@ from app.lanes.types import LaneChunk, LaneRequest, LaneRequestInvalid, LaneSatu
 from app.router import openai_api as api
 from app.router.auth import OPEN_PRINCIPAL, Principal
 from app.router.control import TrafficControl
+from app.router.rate_limits import NO_CHARGE, Charge
 from app.router.endpoints import Endpoint
 from app.router.record import CLIENT_CLOSED_STATUS, RequestRecord
 from app.router.spill import RouteDecision
@@ -51,6 +52,8 @@ class RequestContext:
     reasons: list[str] = field(default_factory=list)
     # Who sent it (its API key's tenant, classes and limits).
     principal: Principal = OPEN_PRINCIPAL
+    # What it took from its key's rate limits (settled when it ends), and their x-ratelimit-* headers.
+    charge: Charge = field(default_factory=lambda: NO_CHARGE)
 
     @property
     def tenant(self) -> str:
@@ -67,6 +70,7 @@ class RequestContext:
             headers["x-llm-lanes-replica"] = replica_id
         if self.reasons:
             headers["x-llm-lanes-degraded"] = ",".join(self.reasons)
+        headers.update(self.charge.headers)
         return headers
 
 
@@ -220,6 +224,7 @@ class LaneCall:
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
             self.stream.cancel()
+            self.context.charge.settle(self._output_tokens())
             # Abandoned mid-stream by the client: no outcome for the lane, and no E2E sample for the deadline P99.
             self._end_lane_call(ok=None)
             if not record.finished:

@@ -25,6 +25,7 @@ from app.router.endpoints import Endpoint
 from app.router.auth import OPEN_PRINCIPAL, Principal, check_class
 from app.router.lane_call import LaneCall, LaneClients, RequestContext
 from app.router.prompts import PromptTokenizer
+from app.router.rate_limits import NO_CHARGE, Charge, RateLimited, RateLimiter
 from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RecentTtft, RequestRecord, reason_label
 from app.router.spill import RouteDecision, RouteRefusal
 
@@ -38,7 +39,8 @@ TOKENIZE_INLINE_MAX_CHARS = 2048
 
 class RequestPipeline:
     def __init__(self, cfg: AppConfig, tokenizer: PromptTokenizer, control: TrafficControl, lanes: LaneClients,
-                 metrics, tracing: Tracing, tokenize_executor: concurrent.futures.Executor | None = None):
+                 metrics, tracing: Tracing, tokenize_executor: concurrent.futures.Executor | None = None,
+                 rate_limits: RateLimiter | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.control = control
@@ -46,6 +48,8 @@ class RequestPipeline:
         self.metrics = metrics
         self.tracing = tracing
         self.recent_ttft = RecentTtft()
+        # The API keys' requests and tokens per minute, app-wide (None: no key has limits).
+        self.rate_limits = rate_limits
         # One thread by default: long prompts are tokenized one at a time, never concurrently on the one tokenizer.
         self.tokenize_executor = tokenize_executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tokenize")
@@ -126,6 +130,26 @@ class RequestPipeline:
             raise
 
     async def _admit_and_start(self, context: RequestContext) -> "LaneCall":
+        """The key's rate limits first (429 rate_limit_exceeded), then admission and the lane. A request that does
+        not start gives its tokens back; one that does settles them when it ends (LaneCall)."""
+        context.charge = await self._take_rate_limits(context)
+        try:
+            return await self._admit_and_start_on_lane(context)
+        except BaseException:
+            context.charge.settle(0)
+            raise
+
+    async def _take_rate_limits(self, context: RequestContext) -> Charge:
+        if self.rate_limits is None:
+            return NO_CHARGE
+        try:
+            return await self.rate_limits.admit(context.principal, len(context.lane_request.prompt_token_ids),
+                                                context.max_tokens)
+        except RateLimited as limited:
+            raise api.OpenAIError(429, str(limited), type=limited.kind, code="rate_limit_exceeded",
+                                  headers=limited.headers) from None
+
+    async def _admit_and_start_on_lane(self, context: RequestContext) -> "LaneCall":
         request_class, record = context.request_class, context.record
         with record.span_for(SPAN_ADMIT) as span:
             admitted = self.control.admit(request_class)
