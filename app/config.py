@@ -258,6 +258,9 @@ class AdmissionConfig(StrictModel):
     interactive_ttft_slo_s: float = Field(1.0, gt=0)
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
+    # With API keys of several tenants, one tenant may fill at most this share of a class's queue bound, so the
+    # others' requests still find room while it floods (app/router/admission.py).
+    tenant_queue_share: float = Field(0.75, gt=0, le=1)
     # Interactive requests each cold-lane replica takes on top of its batch work when the hot lane is full (they
     # run there at interactive priority, ahead of batch). None: an eighth of the cold engine's max_num_seqs (at
     # least 1): more would make the batch engine's steps, and so the spilled requests' first tokens, slow. 0: the
@@ -401,17 +404,15 @@ class ApiKeyConfig(StrictModel):
     """One API key, stored as the SHA-256 of the key (hex): `printf %s "$KEY" | sha256sum`."""
 
     sha256: str = Field(description="Hex SHA-256 of the key; the key itself is never stored or logged.")
-    tenant: str = Field(pattern=TENANT_PATTERN, description="Owner of the key's files and batches; a label in "
-                                                            "logs and metrics (the key never is).")
-    name: str | None = Field(None, pattern=TENANT_PATTERN, description="The key's name in logs (default: the first "
-                                                                       "8 hex digits of its hash).")
+    tenant: str = Field(pattern=TENANT_PATTERN, description="Owns the key's files and batches.")
+    name: str | None = Field(None, pattern=TENANT_PATTERN, description="In logs; default: its hash's first 8 digits.")
     classes: list[Literal["realtime", "interactive", "batch"]] = Field(
         default_factory=lambda: list(REQUEST_CLASS_NAMES),
         description="Request classes the key may use; another class is refused with 403.")
     admin: bool = Field(False, description="May call /v1/admin/* and gRPC GetStats.")
-    requests_per_minute: int | None = Field(None, ge=1, description="Over it: 429 (None: no limit).")
-    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + max_tokens at admission, corrected "
-                                                                  "to the tokens generated at the end.")
+    # Over either: 429 (None: no limit). Tokens: prompt + max_tokens at admission, the ungenerated given back.
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> "ApiKeyConfig":
@@ -426,14 +427,13 @@ class ApiKeyConfig(StrictModel):
 class AuthConfig(StrictModel):
     """API keys (app/router/auth.py). The keys come from `keys`, `keys_file` and `keys_env` together."""
 
-    mode: Literal["keys", "none"] = Field(
-        "keys", description="keys: every request needs a key (the Router refuses to start with none); none: no "
-                            "keys at all, a warning at start (only for an app nobody else can reach).")
+    # keys: every request needs a key (none configured: the Router does not start); none: no keys, a warning.
+    mode: Literal["keys", "none"] = "keys"
     keys: list[ApiKeyConfig] = Field(default_factory=list)
-    keys_file: str | None = Field(None, description="A YAML or JSON file holding a list of keys (e.g. a mounted "
-                                                    "Kubernetes secret), read when each Router replica starts.")
-    keys_env: str | None = Field(None, description="An environment variable of the Router replicas holding a JSON "
-                                                   "list of keys (e.g. from a Kubernetes secret).")
+    # More keys, read when each Router replica starts (e.g. from a Kubernetes secret): a YAML or JSON file of a list
+    # of keys, and an environment variable of the Router replicas holding a JSON list of keys.
+    keys_file: str | None = None
+    keys_env: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "AuthConfig":

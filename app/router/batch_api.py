@@ -8,6 +8,7 @@ the deployment to set `pipeline`, `batch_store` and `dispatcher`. The gRPC surfa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from fastapi import File, Form, Query, Request, UploadFile
@@ -19,7 +20,7 @@ from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoun
 from app.classes import RequestClass
 from app.proto.convert import DEFAULT_BATCH_COMPLETION_WINDOW
 from app.router import openai_api as api
-from app.router.auth import Principal, check_class
+from app.router.auth import OPEN_PRINCIPAL, Principal, check_class
 from app.router.endpoints import ENDPOINTS_BY_PATH
 from app.router.pipeline import RequestPipeline
 
@@ -60,9 +61,12 @@ async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> di
 
 async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
     endpoint = ENDPOINTS_BY_PATH[line.url]
+    # The batch's tenant (its key's batch class was checked when the batch was created; no rate limit: batch work
+    # waits, it is never refused).
+    principal = dataclasses.replace(OPEN_PRINCIPAL, tenant=line.tenant, label="batch", admin=False)
     try:
         body = endpoint.validate({**line.body, "stream": False, "service_tier": "flex"})
-        call = await pipeline.start(endpoint, body)
+        call = await pipeline.start(endpoint, body, principal=principal)
         return {"status_code": 200, "body": await pipeline.collect(call), "request_id": call.context.request_id}
     except ValidationError as error:
         converted = api.validation_error(error.errors())

@@ -11,6 +11,7 @@ import math
 import time
 from dataclasses import replace
 
+from app.batch.store import DEFAULT_TENANT
 from app.classes import Lane, RequestClass
 from app.config import AppConfig
 from app.lanes.admission import AdmissionResult, Decision
@@ -89,11 +90,12 @@ class TrafficControl:
 
     # ---- arrival ----------------------------------------------------------------------------------------------
 
-    def admit(self, request_class: RequestClass) -> AdmissionResult:
+    def admit(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> AdmissionResult:
         if not self.enabled:
             return AdmissionResult(Decision.ADMIT, "admission_disabled")
         # A lane that is down is route()'s business (503 with the breaker's Retry-After), not a full queue's (429).
-        return self.back_pressure.try_enqueue(request_class, lambda: self._queue_retry_after_s(request_class))
+        return self.back_pressure.try_enqueue(request_class, lambda: self._queue_retry_after_s(request_class),
+                                              tenant)
 
     def _queue_retry_after_s(self, request_class: RequestClass) -> int:
         if request_class is RequestClass.INTERACTIVE and self.hot_slots is not None:
@@ -188,13 +190,13 @@ class TrafficControl:
 
     # ---- progress -----------------------------------------------------------------------------------------------
 
-    def started(self, request_class: RequestClass) -> None:
+    def started(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> None:
         if self.enabled:
-            self.back_pressure.dequeue(request_class)
+            self.back_pressure.dequeue(request_class, tenant)
 
-    def abandoned_before_start(self, request_class: RequestClass) -> None:
+    def abandoned_before_start(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> None:
         if self.enabled:
-            self.back_pressure.dequeue(request_class)
+            self.back_pressure.dequeue(request_class, tenant)
 
     def finished(self, request_class: RequestClass, lane: Lane, ok: bool | None, e2e_s: float | None) -> None:
         """A lane call ended: `ok` False counts against the lane's breaker (a lane failure or a deadline), True for

@@ -117,6 +117,9 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # Running replicas per lane, read from Serve's status every few seconds; None until the first read.
         self.lane_replicas: dict[str, int | None] = {lane.value: None for lane in handles}
         self.control = TrafficControl(cfg)
+        if len(self.keyring.tenants) > 1:
+            # Tenants share each class's queue: one tenant's flood leaves room for the others' requests.
+            self.control.back_pressure.share_between_tenants(cfg.admission.tenant_queue_share)
         self.prefix_cache = prefix_cache
         # The lanes' request routers run in this process (they route this Router's handle calls): their decision
         # times become the llm_lanes_replica_routing_seconds histogram.

@@ -125,8 +125,9 @@ class GrpcApi:
                 submission = convert.submit_batch_from_proto(request)
             except convert.InvalidProtoRequest as error:
                 raise api.OpenAIError(400, str(error), param=error.param) from None
-            batch = await self.submit_batch(principal, "grpc-batch.jsonl", submission.input_content, submission.endpoint,
-                                            submission.completion_window, submission.metadata or None)
+            batch = await self.submit_batch(principal, "grpc-batch.jsonl", submission.input_content,
+                                            submission.endpoint, submission.completion_window,
+                                            submission.metadata or None)
             return convert.batch_from_openai(batch)
         except (api.OpenAIError, BatchStoreError) as error:
             set_grpc_error(grpc_context, error)

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 from app.observability.percentile import percentile
-from app.router.slot_waiters import SlotWaiters
+from app.router.slot_waiters import DEFAULT_TENANT, SlotWaiters
 
 START_LATENCY_PERCENTILE = 99
 # Hold times kept for the prediction: enough to smooth one slow request, few enough to follow a change of load.
@@ -103,9 +103,10 @@ class LaneSlots:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return token
 
-    async def acquire(self) -> int:
-        """Wait for a slot (FIFO behind earlier waiters), take it, return its token. Cancellation leaves the line."""
-        await self._waiters.wait_until(lambda: self.in_flight < self.limit)
+    async def acquire(self, tenant: str = DEFAULT_TENANT) -> int:
+        """Wait for a slot (tenants in turn, FIFO within one), take it, return its token. Cancellation leaves the
+        line."""
+        await self._waiters.wait_until(lambda: self.in_flight < self.limit, tenant)
         return self.take()
 
     def release(self, token: int, record_hold: bool = True) -> None:
@@ -122,4 +123,5 @@ class LaneSlots:
     def stats(self) -> dict[str, float | int | None]:
         hold = self.hold_time_s()
         return {"limit": self.limit, "in_flight": self.in_flight, "waiting": self.waiting,
+                "waiting_by_tenant": self._waiters.waiting_by_tenant(),
                 "peak_in_flight": self.peak_in_flight, "hold_time_s": round(hold, 3) if hold is not None else None}

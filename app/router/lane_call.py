@@ -160,7 +160,8 @@ class LaneCall:
                 budget_s = (self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot
                             else self._remaining())
                 try:
-                    token = await asyncio.wait_for(slots.acquire(), timeout=min(budget_s, self._remaining()))
+                    token = await asyncio.wait_for(slots.acquire(self.context.tenant),
+                                                   timeout=min(budget_s, self._remaining()))
                 except asyncio.TimeoutError:
                     if self._remaining() <= 0:
                         raise self._deadline_error() from None

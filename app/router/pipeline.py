@@ -152,7 +152,7 @@ class RequestPipeline:
     async def _admit_and_start_on_lane(self, context: RequestContext) -> "LaneCall":
         request_class, record = context.request_class, context.record
         with record.span_for(SPAN_ADMIT) as span:
-            admitted = self.control.admit(request_class)
+            admitted = self.control.admit(request_class, context.tenant)
             if record.span is not None:
                 span.set_attributes({"llm_lanes.decision": admitted.decision.value,
                                      "llm_lanes.reason": admitted.reason})
@@ -175,11 +175,11 @@ class RequestPipeline:
             record.decided()
             await call.start(decision)
             started = True
-            self.control.started(request_class)
+            self.control.started(request_class, context.tenant)
             return call
         finally:
             if not started:
-                self.control.abandoned_before_start(request_class)
+                self.control.abandoned_before_start(request_class, context.tenant)
             self._publish_queue_depth(request_class)
 
     # ---- route -----------------------------------------------------------------------------------------------------

@@ -92,3 +92,24 @@ def test_a_database_from_before_tenants_gets_the_column_and_its_rows_the_default
                                           ("in.jsonl", "in.jsonl"), ("x" * 300, "x" * 255)])
 def test_filenames_are_stored_sanitised(name, stored):
     assert safe_filename(name) == stored
+
+
+def test_the_dispatcher_finishes_a_small_batch_of_one_tenant_long_before_a_large_one_of_another(tmp_path):
+    import asyncio
+
+    from app.batch.dispatcher import BatchDispatcher
+    from app.batch.sqlite_store import SqliteBatchStore
+    from tests.unit.test_batch_dispatcher import FakeEngine, batch_settings
+
+    store = SqliteBatchStore(str(tmp_path / "batches.sqlite3"))
+    _, large = batch_of(store, "team-a", 200)
+    _, small = batch_of(store, "team-b", 10)
+    engine = FakeEngine(delay_s=(0.001, 0.002))
+    dispatcher = BatchDispatcher(store, engine, batch_settings(window=(4, 4), poll_interval_s=0.01))
+    asyncio.run(dispatcher.run_until_idle())
+    done_at = {batch_id: max(i for i, (b, _) in enumerate(engine.executions) if b == batch_id)
+               for batch_id in (large.id, small.id)}
+    # B's 10 lines run in about the first 20 executions (half of each claim), not after A's 200.
+    assert done_at[small.id] < 30 < done_at[large.id], done_at
+    assert store.get_batch(small.id).status == store.get_batch(large.id).status == "completed"
+    store.close()
