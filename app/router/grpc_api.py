@@ -190,13 +190,13 @@ class GrpcApi:
 
     def _body(self, endpoint: Endpoint, request, stream: bool) -> tuple[Any, str | None]:
         """A proto request -> (the validated OpenAI body model, the class its enum asks for). Raises OpenAIError.
-        An empty `model` means the served model (proto3 cannot tell unset from empty)."""
+        `model` is required as on HTTP: an empty one names no model (404, as HTTP answers `"model": ""`)."""
         try:
             converted = PROTO_SHAPES[endpoint.name].to_openai(request, stream=stream)
         except convert.InvalidProtoRequest as error:
             raise api.OpenAIError(400, str(error), param=error.param) from None
         try:
-            body = endpoint.validate({"model": self.pipeline.model, **converted.body})
+            body = endpoint.validate({"model": request.model, **converted.body})
         except ValidationError as error:
             raise api.validation_error(error.errors()) from None
         return body, converted.request_class

@@ -200,3 +200,12 @@ def test_grpc_needs_a_key_admin_rpcs_an_admin_key_and_big_messages_are_refused(t
     context = FakeGrpcContext([("authorization", f"Bearer {BOB}")])
     asyncio.run(router.Complete(pb.CompletionRequest(model="tiny", prompt="x" * 4096), context))
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_grpc_an_empty_model_is_not_found_as_on_http(tmp_path):
+    from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+
+    router = make_router(tmp_path)
+    context = FakeGrpcContext()
+    asyncio.run(router.Complete(pb.CompletionRequest(prompt="hello"), context))
+    assert context.code == grpc.StatusCode.NOT_FOUND and "model" in context.details
