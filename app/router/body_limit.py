@@ -1,8 +1,9 @@
 """HTTP request bodies over a limit are refused with 413 before anything reads them whole (JSON parsing,
 tokenization): an ASGI middleware. A body without a Content-Length is read and counted here first.
 
-The limits are read per request from `app.state.body_limits` (a `BodyLimits`, set by the Router replica from the
-schema), so one module-level FastAPI app serves whatever config the replica was started with.
+The limits are this process's (`set_limits`, called by the Router replica from the schema; one Router replica per
+process): the FastAPI app is built at import, before any config is known, and Serve may hand the replica a copy of
+it, so the limits live here, not on the app object. Until they are set, nothing is limited.
 """
 
 from __future__ import annotations
@@ -33,12 +34,20 @@ def _error_body(limit: int) -> bytes:
         "code": "request_too_large"}}).encode()
 
 
+_limits: BodyLimits | None = None
+
+
+def set_limits(limits: BodyLimits | None) -> None:
+    global _limits
+    _limits = limits
+
+
 class BodySizeLimit:
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        limits: BodyLimits | None = getattr(getattr(scope.get("app"), "state", None), "body_limits", None)
+        limits = _limits
         if scope["type"] != "http" or limits is None:
             return await self.app(scope, receive, send)
         limit = limits.for_path(scope.get("path", ""))

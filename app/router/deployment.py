@@ -21,6 +21,7 @@ from app.router.auth import KeyRing
 from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
 from app.router.control import TrafficControl
 from app.router.body_limit import BodyLimits
+from app.router.body_limit import set_limits as set_body_limits
 from app.router.grpc_api import GrpcApi
 from app.router.http_api import HTTP_ROUTES, HttpApi, make_http_app
 from app.router.pipeline import RequestPipeline
@@ -108,7 +109,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         cfg = self.cfg = load_app_config(app_args)
         # First: a Router without the keys its config names does not start (auth.mode none: a warning).
         self.keyring = KeyRing.from_config(cfg.auth)
-        http_app.state.body_limits = BodyLimits(cfg.router.max_request_bytes, cfg.batch.max_file_bytes)
+        set_body_limits(BodyLimits(cfg.router.max_request_bytes, cfg.batch.max_file_bytes))
         # Built here, not at import: Serve's metrics pick up the replica's tags when they are created.
         self.metrics = LlmLanesMetrics()
         self.tracing = setup_tracing(cfg.observability.tracing.model_dump(), component="Router")

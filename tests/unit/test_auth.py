@@ -15,7 +15,7 @@ from app.router import openai_api as api
 from app.router.auth import (
     OPEN_PRINCIPAL, KeyRing, KeySourceError, bearer_token, check_class, hash_key, load_keys, require_admin,
 )
-from app.router.body_limit import BodyLimits
+from app.router.body_limit import BodyLimits, set_limits
 from app.router.http_api import HTTP_ROUTES, make_http_app
 from tests.fakes import cpu_args, make_router
 
@@ -112,11 +112,14 @@ def test_a_class_the_key_may_not_use_is_403_and_admin_needs_the_flag():
 def surfaces(tmp_path):
     router = make_router(tmp_path, auth={"keys": KEYS})
     app = make_http_app()
-    app.state.body_limits = BodyLimits(request_bytes=4096, upload_bytes=1 << 20)
+    set_limits(BodyLimits(request_bytes=4096, upload_bytes=1 << 20))
     for name in ("completions", "models", "admin_prefix_lookup"):
         HTTP_ROUTES[name](app)(getattr(router, name))
-    with TestClient(app) as client:
-        yield client, router
+    try:
+        with TestClient(app) as client:
+            yield client, router
+    finally:
+        set_limits(None)
 
 
 def completion(**extra):
