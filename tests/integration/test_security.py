@@ -255,3 +255,66 @@ def test_http_listens_on_loopback_only_and_the_rest_is_rays_own(app):
     # Serve's gRPC proxy, which binds [::] (docs/operators.md#security); no engine listens beyond loopback.
     assert wide and not [process for _, process in wide if process.startswith("VLLM")]
     assert by_port[GRPC_PORT] == ("*", "ray::ProxyActor")
+
+
+# ---- fair share ------------------------------------------------------------------------------------------------------
+
+def ttft_s(url: str, model: str, key: str) -> float:
+    """Time to the first streamed token of a short interactive request."""
+    started = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", headers=bearer(key), timeout=120,
+                      json={"model": model, "prompt": "a short question", "max_tokens": 4, "stream": True}) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and '"text": ""' not in line:
+                return time.monotonic() - started
+    raise AssertionError("no token came")
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, served_model):
+    """Tenant A floods the hot lane past its slots (requests wait in the Routers); tenant B's interactive TTFT p50
+    stays within 2x of B's alone, as B's waiting requests take their turn ahead of A's backlog."""
+    alone = [ttft_s(url, served_model, KEY_B) for _ in range(10)]
+    stop = time.monotonic() + 600
+    flood_answers: list[int] = []
+
+    def flood_worker(_):
+        while time.monotonic() < stop:
+            answer = complete(url, served_model, KEY_A, max_tokens=96, prompt="tell me a long story " * 8)
+            flood_answers.append(answer.status_code)
+
+    with ThreadPoolExecutor(max_workers=48) as pool:
+        workers = [pool.submit(flood_worker, i) for i in range(48)]
+        time.sleep(5)  # the flood fills the slots and the Routers' lines
+        during = [ttft_s(url, served_model, KEY_B) for _ in range(10)]
+        stop = 0
+        for worker in workers:
+            worker.result()
+    print(f"tenant B's interactive TTFT p50: alone {median(alone) * 1000:.0f} ms, during A's flood "
+          f"{median(during) * 1000:.0f} ms ({len(flood_answers)} flood requests, statuses "
+          f"{sorted(set(flood_answers))})")
+    assert median(during) <= 2 * median(alone)
+
+
+def test_a_small_batch_of_one_tenant_finishes_before_a_large_one_of_another(url, served_model):
+    client_a = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    client_b = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0, timeout=120)
+
+    def submit(client, count, tag):
+        file = client.files.create(file=(f"{tag}.jsonl", io.BytesIO(batch_content(served_model, count, tag))),
+                                   purpose="batch")
+        return client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+
+    large = submit(client_a, 400, "large")
+    time.sleep(1)  # A's lines are already running when B's batch comes
+    small = submit(client_b, 10, "small")
+    small = wait_for_batch(client_b, small.id)
+    large_now = client_a.batches.retrieve(large.id)
+    print(f"B's 10 lines done when A's batch had {large_now.request_counts.completed} of 400 done")
+    assert small.status == "completed" and large_now.status != "completed"
+    assert wait_for_batch(client_a, large.id).status == "completed"
