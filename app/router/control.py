@@ -118,8 +118,10 @@ class TrafficControl:
 
     def route(self, request_class: RequestClass, prompt_tokens: int, max_tokens: int, *,
               has_stop_strings: bool = False, hot_refused_for_kv: bool = False, hot_wait_expired: bool = False,
-              continuation: bool = False, waited_s: float = 0.0) -> RouteDecision | RouteRefusal:
-        """The routing decision from the present state; `waited_s`: how long the request has been at the Router."""
+              continuation: bool = False, waited_s: float = 0.0,
+              tenant: str = DEFAULT_TENANT) -> RouteDecision | RouteRefusal:
+        """The routing decision from the present state; `waited_s`: how long the request has been at the Router;
+        `tenant`: whose request (the wait for a hot slot is its turn among the tenants waiting)."""
         admission = self.cfg.admission
         open_breakers = {lane: b.retry_after_s() for lane, b in self.breakers.items()
                          if b.state is BreakerState.OPEN}
@@ -127,7 +129,7 @@ class TrafficControl:
             return decide_route(RouteInputs(request_class, prompt_tokens, max_tokens, self.lane_caps,
                                             long_context_threshold=10**12, open_breakers=open_breakers,
                                             continuation=continuation))
-        hot_slots = self._hot_slot_state()
+        hot_slots = self._hot_slot_state(tenant)
         # Spill room is only asked for when the hot lane cannot take the request now (spill.py, rule 5d).
         needs_spill_room = request_class is RequestClass.INTERACTIVE and (
             hot_wait_expired or (hot_slots is not None and hot_slots.free == 0))
@@ -150,14 +152,14 @@ class TrafficControl:
             decision = replace(decision, retry_after_s=self._interactive_retry_after_s(earliest))
         return decision
 
-    def _hot_slot_state(self) -> HotSlotState | None:
+    def _hot_slot_state(self, tenant: str = DEFAULT_TENANT) -> HotSlotState | None:
         """Free hot slots, and the predicted first token of a request that would wait for one: the wait plus the
         time from a slot to the first token, against the TTFT target (only worked out when no slot is free)."""
         slots = self.hot_slots
         if slots is None:
             return None
         free = slots.free()
-        return HotSlotState(free, 0.0 if free else slots.predicted_wait_s() + slots.start_latency_s())
+        return HotSlotState(free, 0.0 if free else slots.predicted_wait_s(tenant=tenant) + slots.start_latency_s())
 
     def _cold_spill_room(self, waited_s: float) -> bool:
         """Room for one more spilled interactive request, whose first token the cold lane's recent start times say

@@ -70,13 +70,15 @@ class LaneSlots:
         the tail of this part of it); 0 before any is known."""
         return percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
 
-    def predicted_wait_s(self, ahead: int | None = None) -> float:
-        """Wait for a slot of a request joining the line behind `ahead` others (default: those waiting now).
+    def predicted_wait_s(self, ahead: int | None = None, tenant: str | None = None) -> float:
+        """Wait for a slot of a request joining the line behind `ahead` others (default: those served before a
+        request of `tenant` joining now, tenants taking turns; without a tenant: all those waiting).
 
         Slots free at about limit / hold-time per second once all are taken; with no hold time known yet (nothing
         ever held one) the wait is taken as 0: the first burst waits for the slots it fills.
         """
-        ahead = self.waiting if ahead is None else ahead
+        if ahead is None:
+            ahead = self._waiters.ahead_of(tenant) if tenant is not None else self.waiting
         if ahead == 0 and self.in_flight < self.limit:
             return 0.0
         if self.limit == 0:

@@ -194,7 +194,7 @@ class RequestPipeline:
             max_tokens if max_tokens is not None else context.max_tokens,
             has_stop_strings=bool(request.sampling.stop), hot_refused_for_kv=hot_refused_for_kv,
             hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0,
-            waited_s=time.monotonic() - context.record.arrived_at)
+            waited_s=time.monotonic() - context.record.arrived_at, tenant=context.tenant)
         if isinstance(decision, RouteRefusal):
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
             error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")

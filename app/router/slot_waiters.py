@@ -38,6 +38,13 @@ class SlotWaiters:
     def waiting_by_tenant(self) -> dict[str, int]:
         return {tenant: sum(not w.done() for w in queue) for tenant, queue in self._queues.items()}
 
+    def ahead_of(self, tenant: str) -> int:
+        """Requests served before one of `tenant` that joins the line now: its tenant's own waiting requests, and of
+        every other tenant as many as take turns meanwhile (one per turn of this tenant, at most all they have)."""
+        waiting = self.waiting_by_tenant()
+        own = waiting.get(tenant, 0)
+        return own + sum(min(count, own + 1) for other, count in waiting.items() if other != tenant)
+
     def _enqueue(self, tenant: str, waiter: asyncio.Future) -> None:
         if tenant not in self._queues:
             self._queues[tenant] = deque()

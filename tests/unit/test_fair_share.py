@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.classes import RequestClass
 from app.lanes.admission import Decision
 from app.router.admission import BackPressure
 from app.router.hot_slots import LaneSlots
+from tests.fakes import FakeClock
 
 IA = RequestClass.INTERACTIVE
 
@@ -75,3 +78,24 @@ def test_a_tenant_fills_at_most_its_share_of_a_queue_bound_and_the_others_still_
 def test_without_several_tenants_the_whole_bound_is_one_tenants():
     queues = BackPressure({IA: 4})
     assert [queues.try_enqueue(IA, lambda: 1).decision for _ in range(5)].count(Decision.ADMIT) == 4
+
+
+def test_the_predicted_wait_is_a_tenants_turn_not_the_whole_line():
+    async def run():
+        clock = FakeClock()
+        slots = LaneSlots(limit=2, clock=clock)
+        held = [slots.take(), slots.take()]
+        clock.advance(1.0)
+        slots.release(held.pop())  # one hold time on record
+        held.append(slots.take())
+        waiters = [asyncio.create_task(slots.acquire("a")) for _ in range(10)]
+        await asyncio.sleep(0.01)
+        flood, other = slots.predicted_wait_s(tenant="a"), slots.predicted_wait_s(tenant="b")
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        return flood, other, slots
+
+    flood, other, slots = asyncio.run(run())
+    hold = slots.hold_time_s()  # the clock stood still since
+    assert flood == pytest.approx((10 + 1) * hold / 2) and other == pytest.approx((1 + 1) * hold / 2)
