@@ -259,12 +259,15 @@ def test_http_listens_on_loopback_only_and_the_rest_is_rays_own(app):
 
 # ---- fair share ------------------------------------------------------------------------------------------------------
 
-def ttft_s(url: str, model: str, key: str) -> float:
-    """Time to the first streamed token of a short interactive request."""
+def ttft_s(url: str, model: str, key: str, lanes: list[str] | None = None) -> float:
+    """Time to the first streamed token of a short interactive request (its lane and degrade reasons are appended
+    to `lanes`)."""
     started = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/completions", headers=bearer(key), timeout=120,
                       json={"model": model, "prompt": "a short question", "max_tokens": 4, "stream": True}) as answer:
         assert answer.status_code == 200, answer.read()
+        if lanes is not None:
+            lanes.append(f"{answer.headers['x-llm-lanes-lane']}:{answer.headers.get('x-llm-lanes-degraded', '')}")
         for line in answer.iter_lines():
             if line.startswith("data: ") and '"text": ""' not in line:
                 return time.monotonic() - started
@@ -291,13 +294,14 @@ def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, se
     with ThreadPoolExecutor(max_workers=48) as pool:
         workers = [pool.submit(flood_worker, i) for i in range(48)]
         time.sleep(5)  # the flood fills the slots and the Routers' lines
-        during = [ttft_s(url, served_model, KEY_B) for _ in range(10)]
+        lanes: list[str] = []
+        during = [ttft_s(url, served_model, KEY_B, lanes) for _ in range(10)]
         stop = 0
         for worker in workers:
             worker.result()
     print(f"tenant B's interactive TTFT p50: alone {median(alone) * 1000:.0f} ms, during A's flood "
           f"{median(during) * 1000:.0f} ms ({len(flood_answers)} flood requests, statuses "
-          f"{sorted(set(flood_answers))})")
+          f"{sorted(set(flood_answers))}); B's lanes {sorted(set(lanes))}, each {[round(t * 1000) for t in during]} ms")
     assert median(during) <= 2 * median(alone)
 
 
