@@ -279,6 +279,12 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+# Tenant A's flood: more short requests at once than the hot slots of both Routers (2 x 14), so a line of A's requests
+# waits in each Router.
+FLOOD_CONCURRENCY = 40
+FLOOD_MAX_TOKENS = 16
+
+
 def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, served_model):
     """Tenant A floods the hot lane past its slots (requests wait in the Routers); tenant B's interactive TTFT p50
     stays within 2x of B's alone, as B's waiting requests take their turn ahead of A's backlog."""
@@ -288,12 +294,17 @@ def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, se
 
     def flood_worker(_):
         while time.monotonic() < stop:
-            answer = complete(url, served_model, KEY_A, max_tokens=96, prompt="tell me a long story " * 8)
+            answer = complete(url, served_model, KEY_A, max_tokens=FLOOD_MAX_TOKENS, prompt="tell me a story " * 8)
             flood_answers.append(answer.status_code)
 
-    with ThreadPoolExecutor(max_workers=48) as pool:
-        workers = [pool.submit(flood_worker, i) for i in range(48)]
+    with ThreadPoolExecutor(max_workers=FLOOD_CONCURRENCY) as pool:
+        workers = [pool.submit(flood_worker, i) for i in range(FLOOD_CONCURRENCY)]
         time.sleep(5)  # the flood fills the slots and the Routers' lines
+        # Where requests wait during the flood (one Router's view, and the hot engine's).
+        stats = httpx.get(f"{url}/v1/admin/stats", headers=bearer(KEY_ADMIN), timeout=60).json()
+        hot_engine = stats["lanes"]["hot"][0]
+        print("during A's flood: one Router's hot slots", stats["router"].get("hot_slots"), "; hot engine running",
+              hot_engine.get("running"), "waiting", hot_engine.get("waiting"))
         lanes: list[str] = []
         during = [ttft_s(url, served_model, KEY_B, lanes) for _ in range(10)]
         stop = 0
