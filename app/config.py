@@ -7,6 +7,7 @@ configurable lives here.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -257,6 +258,9 @@ class AdmissionConfig(StrictModel):
     interactive_ttft_slo_s: float = Field(1.0, gt=0)
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
+    # With API keys of several tenants, one tenant may fill at most this share of a class's queue bound, so the
+    # others' requests still find room while it floods (app/router/admission.py).
+    tenant_queue_share: float = Field(0.75, gt=0, le=1)
     # Interactive requests each cold-lane replica takes on top of its batch work when the hot lane is full (they
     # run there at interactive priority, ahead of batch). None: an eighth of the cold engine's max_num_seqs (at
     # least 1): more would make the batch engine's steps, and so the spilled requests' first tokens, slow. 0: the
@@ -287,6 +291,9 @@ class RouterConfig(StrictModel):
         20, gt=0, description="How long a stopping Router replica (serve run stopped, serve deploy, scale-down) "
                               "keeps serving its open streams before it is killed: set it above the longest stream's "
                               "duration so a rolling update fails none. Half of it is the batch lines' time to finish.")
+    # HTTP bodies and gRPC messages above this are refused (413, RESOURCE_EXHAUSTED) before they are parsed or
+    # tokenized; file uploads and SubmitBatch are bounded by batch.max_file_bytes instead.
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
 
 class PrefixCacheConfig(StrictModel):
@@ -422,6 +429,56 @@ class ObservabilityConfig(StrictModel):
     # vLLM's own engine metrics (ray_vllm_*) through its RayPrometheusStatLogger on Ray's metrics port.
     vllm_metrics: bool = True
 
+REQUEST_CLASS_NAMES = ("realtime", "interactive", "batch")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class ApiKeyConfig(StrictModel):
+    """One API key, stored as the SHA-256 of the key (hex): `printf %s "$KEY" | sha256sum`."""
+
+    sha256: str = Field(description="Hex SHA-256 of the key; the key itself is never stored or logged.")
+    tenant: str = Field(pattern=TENANT_PATTERN, description="Owns the key's files and batches.")
+    name: str | None = Field(None, pattern=TENANT_PATTERN, description="In logs; default: its hash's first 8 digits.")
+    classes: list[Literal["realtime", "interactive", "batch"]] = Field(
+        default_factory=lambda: list(REQUEST_CLASS_NAMES),
+        description="Request classes the key may use; another class is refused with 403.")
+    admin: bool = Field(False, description="May call /v1/admin/* and gRPC GetStats.")
+    # Over either: 429 (None: no limit). Tokens: prompt + max_tokens at admission, the ungenerated given back.
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ApiKeyConfig":
+        if not SHA256_HEX.match(self.sha256):
+            raise ValueError("sha256 must be 64 lower-case hex digits: the SHA-256 of the key "
+                             "(printf %s \"$KEY\" | sha256sum), never the key itself")
+        if not self.classes:
+            raise ValueError("classes is empty: a key must be allowed at least one request class")
+        return self
+
+
+class AuthConfig(StrictModel):
+    """API keys (app/router/auth.py). The keys come from `keys`, `keys_file` and `keys_env` together."""
+
+    # keys: every request needs a key (none configured: the Router does not start); none: no keys, a warning.
+    mode: Literal["keys", "none"] = "keys"
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    # More keys, read when each Router replica starts (e.g. from a Kubernetes secret): a YAML or JSON file of a list
+    # of keys, and an environment variable of the Router replicas holding a JSON list of keys.
+    keys_file: str | None = None
+    keys_env: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "AuthConfig":
+        if self.mode == "none" and (self.keys or self.keys_file or self.keys_env):
+            raise ValueError("mode 'none' would ignore the keys given: set mode: keys, or drop keys, keys_file and "
+                             "keys_env")
+        hashes = [key.sha256 for key in self.keys]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("the same key (sha256) is listed twice: keep one entry per key")
+        return self
+
 
 class AppConfig(StrictModel):
     """The `args:` of a serve config (`import_path: app.main:build_app`)."""
@@ -437,6 +494,7 @@ class AppConfig(StrictModel):
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

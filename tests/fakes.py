@@ -18,6 +18,7 @@ from app.observability.metrics import LlmLanesMetrics
 from app.router.batch_api import BatchApi, execute_batch_line
 from app.router.control import TrafficControl
 from app.router.deployment import admin_document
+from app.router.auth import KeyRing
 from app.router.grpc_api import GrpcApi
 from app.router.http_api import HttpApi
 from app.router.pipeline import RequestPipeline
@@ -46,7 +47,7 @@ def cpu_args(**extra):
     lane = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32"}, "deployment": {}}
     return {"device": "cpu", "model": {"source": "models/tiny-llama", "served_name": "tiny", "max_model_len": 2048},
             "hot_lane": yaml.safe_load(yaml.safe_dump(lane)), "cold_lane": yaml.safe_load(yaml.safe_dump(lane)),
-            **extra}
+            "auth": {"mode": "none"}, **extra}
 
 
 class FakeMetricsModule:
@@ -148,6 +149,7 @@ class RouterSurfaces(HttpApi, BatchApi, GrpcApi):
         self.lanes = lanes
         self.metrics_backend = metrics_backend
         self.batch_store = batch_store
+        self.keyring = KeyRing.from_config(self.cfg.auth)
         # Never run: the surfaces only notify it of new work.
         self.dispatcher = dispatcher or BatchDispatcher(batch_store, lambda line: execute_batch_line(pipeline, line),
                                                         pipeline.cfg.batch)

@@ -26,6 +26,19 @@ BATCH_STATUSES = (
 TERMINAL_BATCH_STATUSES = ("failed", "completed", "expired", "cancelled")
 
 
+MAX_FILENAME_CHARS = 255
+
+
+def safe_filename(filename: str) -> str:
+    """An uploaded file's name as stored and shown: its last path component (either separator), without control
+    characters, at most 255 characters; "file" when nothing is left. `../../etc/passwd` -> `passwd`."""
+    name = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(ch for ch in name if ch.isprintable()).strip()
+    if name in ("", ".", ".."):
+        return "file"
+    return name[:MAX_FILENAME_CHARS]
+
+
 class BatchLineError(ValueError):
     """One input line is unusable; it fails alone and is reported in the batch's error file."""
 

@@ -38,6 +38,11 @@ class PostgresBatchStore(SqlBatchStore):
     def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         return self._conn.execute(_to_pyformat(sql), tuple(params))
 
+    def _columns(self, table: str) -> set[str]:
+        rows = self._conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s AND "
+                                  "table_schema = current_schema()", (table,)).fetchall()
+        return {row[0] for row in rows}
+
     def _executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         with self._conn.cursor() as cursor:
             cursor.executemany(_to_pyformat(sql), [tuple(r) for r in rows])

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from app.batch import openai_shapes as shapes
-from app.batch.store import BatchRecord, BatchStore, RequestCounts
+from app.batch.store import DEFAULT_TENANT, BatchRecord, BatchStore, RequestCounts
 from app.config import RouterConfig
 
 
@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS llm_lanes_files (
     filename TEXT NOT NULL,
     bytes BIGINT NOT NULL,
     created_at BIGINT NOT NULL,
-    content {blob} NOT NULL
+    content {blob} NOT NULL,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE TABLE IF NOT EXISTS llm_lanes_batches (
     id TEXT PRIMARY KEY,
@@ -47,10 +48,12 @@ CREATE TABLE IF NOT EXISTS llm_lanes_batches (
     completed_count BIGINT NOT NULL DEFAULT 0,
     failed_count BIGINT NOT NULL DEFAULT 0,
     metadata TEXT,
-    errors TEXT
+    errors TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE INDEX IF NOT EXISTS llm_lanes_batches_status ON llm_lanes_batches (status);
 CREATE INDEX IF NOT EXISTS llm_lanes_batches_order ON llm_lanes_batches (created_seq, id);
+CREATE INDEX IF NOT EXISTS llm_lanes_batches_tenant ON llm_lanes_batches (tenant, created_seq, id);
 CREATE TABLE IF NOT EXISTS llm_lanes_batch_lines (
     batch_id TEXT NOT NULL,
     line_no BIGINT NOT NULL,
@@ -68,6 +71,9 @@ CREATE TABLE IF NOT EXISTS llm_lanes_batch_lines (
 CREATE INDEX IF NOT EXISTS llm_lanes_lines_state ON llm_lanes_batch_lines (state, batch_id);
 """
 
+# Tables that gained a tenant column: a database created before it gets the column, its rows the default tenant.
+_TENANT_TABLES = ("llm_lanes_files", "llm_lanes_batches")
+
 _BATCH_COLUMNS = (
     "id, input_file_id, endpoint, completion_window, status, created_at, expires_at, in_progress_at, finalizing_at, "
     "completed_at, failed_at, expired_at, cancelling_at, cancelled_at, output_file_id, error_file_id, total_count, "
@@ -82,6 +88,11 @@ def _dumps(value: Any) -> str | None:
 
 def _loads(value: Any) -> Any:
     return None if value is None else json.loads(value)
+
+
+def tenant_clause(tenant: str | None, column: str = "tenant") -> tuple[str, tuple[str, ...]]:
+    """SQL condition (and its parameter) keeping one tenant's rows; None (the app's own work) keeps every row."""
+    return ("", ()) if tenant is None else (f" AND {column} = ?", (tenant,))
 
 
 def _batch_from_row(row: Sequence[Any]) -> BatchRecord:
@@ -117,6 +128,8 @@ class SqlStoreBase(BatchStore):
         self._estimate_tokens = estimate_tokens or functools.partial(
             shapes.estimate_line_tokens, default_max_tokens=RouterConfig.model_fields["default_max_tokens"].default)
         self._lock = threading.Lock()
+        # Which tenant gets the remainder of the next claim's fair shares (claim_lines).
+        self._claim_turn = 0
 
     # --- backend hooks -------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -137,12 +150,24 @@ class SqlStoreBase(BatchStore):
     # A statement run first in the schema transaction so that processes starting together don't race on DDL.
     schema_lock_statement: str | None = None
 
+    @abc.abstractmethod
+    def _columns(self, table: str) -> set[str]:
+        """The column names `table` has now."""
+
     def _create_schema(self) -> None:
         with self._lock, self._write_transaction():
             if self.schema_lock_statement:
                 self._execute(self.schema_lock_statement)
-            for statement in _SCHEMA.format(blob=self.blob_type, float=self.float_type).split(";"):
-                if statement.strip():
+            statements = [s for s in _SCHEMA.format(blob=self.blob_type, float=self.float_type).split(";")
+                          if s.strip()]
+            for statement in statements:
+                if "llm_lanes_batches_tenant" not in statement:
+                    self._execute(statement)
+            for table in _TENANT_TABLES:
+                if "tenant" not in self._columns(table):
+                    self._execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT '{DEFAULT_TENANT}'")
+            for statement in statements:
+                if "llm_lanes_batches_tenant" in statement:
                     self._execute(statement)
 
     def _now(self) -> float:

@@ -4,56 +4,64 @@ and batches here, lines in app.batch.sql_lines, the schema and backend hooks in 
 from __future__ import annotations
 
 from app.batch import openai_shapes as shapes
-from app.batch.sql_common import _BATCH_COLUMNS, _batch_from_row, _dumps, _loads
+from app.batch.sql_common import _BATCH_COLUMNS, _batch_from_row, _dumps, _loads, tenant_clause
 from app.batch.sql_lines import SqlLineStore
 from app.batch.store import (
     ACTIVE_BATCH_STATUSES, FINISHED_BATCH_STATUSES, LINE_CANCELLED, LINE_DONE, LINE_FAILED, LINE_LEASED, LINE_QUEUED,
-    BatchPage, BatchRecord, ConflictError, FileRecord, InvalidRequestError, NotFoundError,
+    DEFAULT_TENANT, BatchPage, BatchRecord, ConflictError, FileRecord, InvalidRequestError, NotFoundError,
 )
 
 
 class SqlBatchStore(SqlLineStore):
     """The store's logic in SQL common to SQLite and PostgreSQL: files and batches here, lines in SqlLineStore, the
-    backend hooks in SqlStoreBase (which the backends implement)."""
+    backend hooks in SqlStoreBase (which the backends implement).
+
+    Files and batches belong to a tenant. A method given `tenant` sees that tenant's rows only (another tenant's id
+    is NotFoundError, as an unknown one); `tenant=None` is the app's own access (dispatcher, finalizing)."""
 
     # --- files ---------------------------------------------------------------------------------------------------
-    def _insert_file(self, purpose: str, filename: str, content: bytes, now: float) -> FileRecord:
-        record = FileRecord(shapes.new_file_id(), purpose, filename, len(content), int(now))
+    def _insert_file(self, purpose: str, filename: str, content: bytes, now: float, tenant: str) -> FileRecord:
+        record = FileRecord(shapes.new_file_id(), purpose, shapes.safe_filename(filename), len(content), int(now))
         self._execute(
-            "INSERT INTO llm_lanes_files (id, purpose, filename, bytes, created_at, content) VALUES (?, ?, ?, ?, ?, ?)",
-            (record.id, purpose, filename, record.bytes, record.created_at, bytes(content)),
+            "INSERT INTO llm_lanes_files (id, purpose, filename, bytes, created_at, content, tenant) VALUES "
+            "(?, ?, ?, ?, ?, ?, ?)",
+            (record.id, purpose, record.filename, record.bytes, record.created_at, bytes(content), tenant),
         )
         return record
 
-    def create_file(self, purpose: str, filename: str, content: bytes) -> FileRecord:
+    def create_file(self, purpose: str, filename: str, content: bytes, tenant: str = DEFAULT_TENANT) -> FileRecord:
         with self._lock, self._write_transaction():
-            return self._insert_file(purpose, filename, content, self._now())
+            return self._insert_file(purpose, filename, content, self._now(), tenant)
 
-    def get_file(self, file_id: str) -> FileRecord:
+    def get_file(self, file_id: str, tenant: str | None = None) -> FileRecord:
+        where, params = tenant_clause(tenant)
         with self._lock:
             row = self._execute(
-                "SELECT id, purpose, filename, bytes, created_at FROM llm_lanes_files WHERE id = ?", (file_id,)
+                f"SELECT id, purpose, filename, bytes, created_at FROM llm_lanes_files WHERE id = ?{where}",
+                (file_id, *params),
             ).fetchone()
         if row is None:
             raise NotFoundError(f"No such file: {file_id}")
         return FileRecord(row[0], row[1], row[2], int(row[3]), int(row[4]))
 
-    def file_content(self, file_id: str) -> bytes:
+    def file_content(self, file_id: str, tenant: str | None = None) -> bytes:
+        where, params = tenant_clause(tenant)
         with self._lock:
-            row = self._execute("SELECT content FROM llm_lanes_files WHERE id = ?", (file_id,)).fetchone()
+            row = self._execute(f"SELECT content FROM llm_lanes_files WHERE id = ?{where}",
+                                (file_id, *params)).fetchone()
         if row is None:
             raise NotFoundError(f"No such file: {file_id}")
         return bytes(row[0])
 
     # --- batches -------------------------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None = None) -> BatchRecord:
+                     metadata: dict[str, str] | None = None, tenant: str = DEFAULT_TENANT) -> BatchRecord:
         try:
             shapes.check_endpoint(endpoint)
             window_s = shapes.completion_window_seconds(completion_window)
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
-        input_file = self.get_file(input_file_id)
+        input_file = self.get_file(input_file_id, tenant)
         if input_file.purpose != shapes.BATCH_FILE_PURPOSE:
             raise InvalidRequestError(
                 f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'"
@@ -79,10 +87,10 @@ class SqlBatchStore(SqlLineStore):
         with self._lock, self._write_transaction():
             self._execute(
                 "INSERT INTO llm_lanes_batches (id, input_file_id, endpoint, completion_window, status, created_seq, "
-                "created_at, expires_at, in_progress_at, failed_at, total_count, failed_count, metadata, errors) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created_at, expires_at, in_progress_at, failed_at, total_count, failed_count, metadata, errors, "
+                "tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (batch_id, input_file_id, endpoint, completion_window, status, now, int(now), int(now + window_s),
-                 in_progress_at, failed_at, total, len(rejected), _dumps(metadata), _dumps(errors)),
+                 in_progress_at, failed_at, total, len(rejected), _dumps(metadata), _dumps(errors), tenant),
             )
             if line_rows:
                 self._executemany(
@@ -93,37 +101,41 @@ class SqlBatchStore(SqlLineStore):
         if status == "in_progress" and not valid:
             # Every line was rejected: nothing to dispatch, so write the error file now.
             self.finalize_batch(batch_id)
-        return self.get_batch(batch_id)
+        return self.get_batch(batch_id, tenant)
 
-    def _get_batch_unlocked(self, batch_id: str) -> BatchRecord:
-        row = self._execute(f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches WHERE id = ?", (batch_id,)).fetchone()
+    def _get_batch_unlocked(self, batch_id: str, tenant: str | None = None) -> BatchRecord:
+        where, params = tenant_clause(tenant)
+        row = self._execute(f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches WHERE id = ?{where}",
+                            (batch_id, *params)).fetchone()
         if row is None:
             raise NotFoundError(f"No such batch: {batch_id}")
         return _batch_from_row(row)
 
-    def get_batch(self, batch_id: str) -> BatchRecord:
+    def get_batch(self, batch_id: str, tenant: str | None = None) -> BatchRecord:
         with self._lock:
-            return self._get_batch_unlocked(batch_id)
+            return self._get_batch_unlocked(batch_id, tenant)
 
-    def list_batches(self, after: str | None = None, limit: int = 20) -> BatchPage:
+    def list_batches(self, after: str | None = None, limit: int = 20, tenant: str | None = None) -> BatchPage:
         """Newest first, like OpenAI; `after` is the last id of the previous page."""
         limit = max(1, min(int(limit), 100))
+        where, params = tenant_clause(tenant)
         with self._lock:
             if after is None:
                 rows = self._execute(
-                    f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches ORDER BY created_seq DESC, id DESC LIMIT ?",
-                    (limit + 1,),
+                    f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches WHERE 1 = 1{where} ORDER BY created_seq DESC, "
+                    "id DESC LIMIT ?",
+                    (*params, limit + 1),
                 ).fetchall()
             else:
                 cursor_row = self._execute(
-                    "SELECT created_seq, id FROM llm_lanes_batches WHERE id = ?", (after,)
+                    f"SELECT created_seq, id FROM llm_lanes_batches WHERE id = ?{where}", (after, *params)
                 ).fetchone()
                 if cursor_row is None:
                     raise NotFoundError(f"No such batch: {after}")
                 rows = self._execute(
-                    f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches WHERE created_seq < ? OR "
-                    "(created_seq = ? AND id < ?) ORDER BY created_seq DESC, id DESC LIMIT ?",
-                    (cursor_row[0], cursor_row[0], cursor_row[1], limit + 1),
+                    f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches WHERE (created_seq < ? OR "
+                    f"(created_seq = ? AND id < ?)){where} ORDER BY created_seq DESC, id DESC LIMIT ?",
+                    (cursor_row[0], cursor_row[0], cursor_row[1], *params, limit + 1),
                 ).fetchall()
         return BatchPage([_batch_from_row(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
@@ -137,11 +149,11 @@ class SqlBatchStore(SqlLineStore):
             ).fetchall()
         return [_batch_from_row(r) for r in rows]
 
-    def cancel_batch(self, batch_id: str) -> BatchRecord:
+    def cancel_batch(self, batch_id: str, tenant: str | None = None) -> BatchRecord:
         """Queued lines stop being claimable at once; in-flight lines may still record their result; the batch is
         'cancelling' until finalize_batch turns it 'cancelled'. Cancelling twice is harmless."""
         with self._lock, self._write_transaction():
-            batch = self._get_batch_unlocked(batch_id)
+            batch = self._get_batch_unlocked(batch_id, tenant)
             if batch.status in FINISHED_BATCH_STATUSES and batch.status != "cancelled":
                 raise ConflictError(f"Batch {batch_id} is {batch.status} and cannot be cancelled.")
             if batch.status in ("in_progress", "validating"):
@@ -159,7 +171,7 @@ class SqlBatchStore(SqlLineStore):
                 )
         # With nothing in flight the batch can turn 'cancelled' right away.
         self.finalize_batch(batch_id)
-        return self.get_batch(batch_id)
+        return self.get_batch(batch_id, tenant)
 
     def finalize_batch(self, batch_id: str) -> BatchRecord | None:
         """Write the output/error files and the final status once every line is settled; None if lines remain.
@@ -208,6 +220,7 @@ class SqlBatchStore(SqlLineStore):
             "state IN (?, ?) ORDER BY line_no",
             (batch_id, LINE_DONE, LINE_FAILED),
         ).fetchall()
+        tenant = self._execute("SELECT tenant FROM llm_lanes_batches WHERE id = ?", (batch_id,)).fetchone()[0]
         outputs, errors = [], []
         for line_no, custom_id, state, result, error in rows:
             result, error = _loads(result), _loads(error)
@@ -225,10 +238,10 @@ class SqlBatchStore(SqlLineStore):
         output_file_id = error_file_id = None
         if outputs:
             output_file_id = self._insert_file(
-                shapes.BATCH_OUTPUT_PURPOSE, f"{batch_id}_output.jsonl", shapes.jsonl(outputs), now).id
+                shapes.BATCH_OUTPUT_PURPOSE, f"{batch_id}_output.jsonl", shapes.jsonl(outputs), now, tenant).id
         if errors:
             error_file_id = self._insert_file(
-                shapes.BATCH_OUTPUT_PURPOSE, f"{batch_id}_error.jsonl", shapes.jsonl(errors), now).id
+                shapes.BATCH_OUTPUT_PURPOSE, f"{batch_id}_error.jsonl", shapes.jsonl(errors), now, tenant).id
         time_column = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final_status]
         self._execute(
             f"UPDATE llm_lanes_batches SET status = ?, {time_column} = ?, output_file_id = ?, error_file_id = ?, "

@@ -40,6 +40,9 @@ class SqliteBatchStore(SqlBatchStore):
     def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         return self._conn.execute(sql, tuple(params))
 
+    def _columns(self, table: str) -> set[str]:
+        return {row[1] for row in self._conn.execute(f"PRAGMA table_info({table})").fetchall()}
+
     def _executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         self._conn.executemany(sql, [tuple(r) for r in rows])
 

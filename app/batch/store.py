@@ -32,6 +32,9 @@ LINE_FAILED = "failed"
 # A line of a cancelled batch that never ran: in neither output file, counted in neither completed nor failed.
 LINE_CANCELLED = "cancelled"
 
+# The tenant of every file and batch when the app runs without keys, and of rows stored before tenants existed.
+DEFAULT_TENANT = "default"
+
 ACTIVE_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 FINISHED_BATCH_STATUSES = shapes.TERMINAL_BATCH_STATUSES
 
@@ -103,6 +106,7 @@ class ClaimedLine:
     attempts: int  # including the current one
     lease_expires_at: float
     token_estimate: int
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -148,30 +152,32 @@ class BatchStore(abc.ABC):
 
     # Files
     @abc.abstractmethod
-    def create_file(self, purpose: str, filename: str, content: bytes) -> FileRecord: ...
+    def create_file(self, purpose: str, filename: str, content: bytes, tenant: str = DEFAULT_TENANT) -> FileRecord:
+        ...
+
+    # `tenant`: only that tenant's rows exist for the call (another's id is NotFoundError); None: every row.
+    @abc.abstractmethod
+    def get_file(self, file_id: str, tenant: str | None = None) -> FileRecord: ...
 
     @abc.abstractmethod
-    def get_file(self, file_id: str) -> FileRecord: ...
-
-    @abc.abstractmethod
-    def file_content(self, file_id: str) -> bytes: ...
+    def file_content(self, file_id: str, tenant: str | None = None) -> bytes: ...
 
     # Batches
     @abc.abstractmethod
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None = None) -> BatchRecord: ...
+                     metadata: dict[str, str] | None = None, tenant: str = DEFAULT_TENANT) -> BatchRecord: ...
 
     @abc.abstractmethod
-    def get_batch(self, batch_id: str) -> BatchRecord: ...
+    def get_batch(self, batch_id: str, tenant: str | None = None) -> BatchRecord: ...
 
     @abc.abstractmethod
-    def list_batches(self, after: str | None = None, limit: int = 20) -> BatchPage: ...
+    def list_batches(self, after: str | None = None, limit: int = 20, tenant: str | None = None) -> BatchPage: ...
 
     @abc.abstractmethod
     def list_active_batches(self) -> list[BatchRecord]: ...
 
     @abc.abstractmethod
-    def cancel_batch(self, batch_id: str) -> BatchRecord: ...
+    def cancel_batch(self, batch_id: str, tenant: str | None = None) -> BatchRecord: ...
 
     @abc.abstractmethod
     def finalize_batch(self, batch_id: str) -> BatchRecord | None: ...

@@ -1,4 +1,5 @@
-"""PrefixCache: the one prefix index shared by both lanes. Advisory state: losing it never fails a request.
+"""PrefixCache: the one prefix index shared by both lanes, and the API keys' rate-limit buckets (rate_ledger.py).
+Advisory state: losing it never fails a request.
 
 Thin glue around SharedPrefixState (shared_state.py); a background task expires approximate-feed entries and
 forgets replicas that stopped reporting.
@@ -12,6 +13,7 @@ from typing import Any
 from ray import serve
 
 from app.config import load_app_config
+from app.prefix_cache.rate_ledger import Order, RateLedger
 from app.prefix_cache.shared_state import SharedPrefixState
 
 HOUSEKEEPING_INTERVAL_S = 5.0
@@ -21,6 +23,8 @@ HOUSEKEEPING_INTERVAL_S = 5.0
 class PrefixCache:
     def __init__(self, app_args: dict[str, Any]):
         self.state = SharedPrefixState(load_app_config(app_args))
+        # The API keys' rate-limit buckets, shared by every Router replica (app/router/rate_limits.py).
+        self.rate_ledger = RateLedger()
         self._housekeeping = asyncio.get_event_loop().create_task(self._housekeep_forever())
 
     async def _housekeep_forever(self) -> None:
@@ -51,5 +55,8 @@ class PrefixCache:
     def replica_stats(self) -> dict[str, list[dict[str, Any]]]:
         return self.state.replica_stats()
 
+    def rate_limit_exchange(self, orders: list[Order]) -> list[tuple[int, float]]:
+        return self.rate_ledger.exchange(orders)
+
     def stats(self) -> dict[str, Any]:
-        return self.state.stats()
+        return {**self.state.stats(), "rate_limit_buckets": self.rate_ledger.stats()}

@@ -4,14 +4,19 @@ Retry-After of the requests turned away.
 A request is queued from admission until its first token (waiting in the Router for a hot-lane slot, or inside an
 engine before its prefill). Over its class's bound it is refused with 429 and a Retry-After the caller computes from
 the lane's expected drain. Batch is never refused for load. Pure: no Ray, no vLLM.
+
+With several tenants (API keys of more than one), one tenant may hold at most `tenant_share` of a class's bound:
+while it floods, the rest of the queue stays open to the others.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 
+from app.batch.store import DEFAULT_TENANT
 from app.classes import RequestClass
 from app.lanes.admission import AdmissionResult, Decision
 
@@ -23,24 +28,40 @@ class BackPressure:
                 raise ValueError(f"queue bound for {request_class.value} must be >= 0 or None, got {bound}")
         self.bounds = dict(bounds)
         self._queued: dict[RequestClass, int] = {c: 0 for c in RequestClass}
+        self._by_tenant: Counter[tuple[RequestClass, str]] = Counter()
+        self.tenant_share = 1.0
+
+    def share_between_tenants(self, share: float) -> None:
+        """Several tenants send requests: each may hold at most `share` of a bound (1: no cap)."""
+        self.tenant_share = share
 
     def queued(self, request_class: RequestClass) -> int:
         return self._queued[request_class]
 
-    def try_enqueue(self, request_class: RequestClass, retry_after_s: Callable[[], int]) -> AdmissionResult:
+    def try_enqueue(self, request_class: RequestClass, retry_after_s: Callable[[], int],
+                    tenant: str = DEFAULT_TENANT) -> AdmissionResult:
         """Admit into the class's queue, or refuse with `retry_after_s()` (worked out only then) when the queue is
-        at its bound."""
+        at its bound, or the tenant at its share of it."""
         queued = self._queued[request_class]
         bound = None if request_class is RequestClass.BATCH else self.bounds.get(request_class)
         if bound is not None and queued >= bound:
             return AdmissionResult(Decision.REJECT, f"queue_full ({queued} >= {bound})", retry_after_s())
+        if bound is not None and self.tenant_share < 1:
+            own, cap = self._by_tenant[request_class, tenant], max(1, math.floor(bound * self.tenant_share))
+            if own >= cap:
+                return AdmissionResult(Decision.REJECT, f"queue_full (tenant's share {own} >= {cap})",
+                                       retry_after_s())
         self._queued[request_class] += 1
+        self._by_tenant[request_class, tenant] += 1
         return AdmissionResult(Decision.ADMIT, "batch_waits" if request_class is RequestClass.BATCH else "queued")
 
-    def dequeue(self, request_class: RequestClass) -> None:
+    def dequeue(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> None:
         if self._queued[request_class] <= 0:
             raise RuntimeError(f"dequeue() without try_enqueue() for {request_class.value}")
         self._queued[request_class] -= 1
+        self._by_tenant[request_class, tenant] -= 1
+        if self._by_tenant[request_class, tenant] <= 0:
+            del self._by_tenant[request_class, tenant]
 
 
 class RetrySchedule:

@@ -8,16 +8,19 @@ the deployment to set `pipeline`, `batch_store` and `dispatcher`. The gRPC surfa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
-from fastapi import File, Form, Query, UploadFile
+from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
+from app.classes import RequestClass
 from app.proto.convert import DEFAULT_BATCH_COMPLETION_WINDOW
 from app.router import openai_api as api
+from app.router.auth import OPEN_PRINCIPAL, Principal, check_class
 from app.router.endpoints import ENDPOINTS_BY_PATH
 from app.router.pipeline import RequestPipeline
 
@@ -58,9 +61,12 @@ async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> di
 
 async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
     endpoint = ENDPOINTS_BY_PATH[line.url]
+    # The batch's tenant (its key's batch class was checked when the batch was created; no rate limit: batch work
+    # waits, it is never refused).
+    principal = dataclasses.replace(OPEN_PRINCIPAL, tenant=line.tenant, label="batch", admin=False)
     try:
         body = endpoint.validate({**line.body, "stream": False, "service_tier": "flex"})
-        call = await pipeline.start(endpoint, body)
+        call = await pipeline.start(endpoint, body, principal=principal)
         return {"status_code": 200, "body": await pipeline.collect(call), "request_id": call.context.request_id}
     except ValidationError as error:
         converted = api.validation_error(error.errors())
@@ -70,9 +76,13 @@ async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine)
 
 
 class BatchApi:
+    """Every file and batch belongs to the tenant of the key that created it; other tenants get 404 for it."""
+
     pipeline: RequestPipeline
 
-    async def upload_file(self, file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:
+    async def upload_file(self, request: Request, file: UploadFile = File(...),
+                          purpose: str = Form(...)) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
         if purpose != "batch":
             raise api.OpenAIError(400, f"purpose {purpose!r} is not supported: use 'batch'", param="purpose")
         limit = self.pipeline.cfg.batch.max_file_bytes
@@ -81,55 +91,66 @@ class BatchApi:
             raise api.OpenAIError(413, f"file is larger than the {limit}-byte limit: split it into several batches",
                                   param="file", code="file_too_large")
         record = await asyncio.to_thread(self.batch_store.create_file, purpose, file.filename or "batch.jsonl",
-                                         content)
+                                         content, tenant)
         return batch_shapes.file_object(record)
 
-    async def get_file(self, file_id: str) -> dict[str, Any]:
-        return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id))
+    async def get_file(self, file_id: str, request: Request) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
+        return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id, tenant))
 
-    async def get_file_content(self, file_id: str) -> Response:
-        content = await asyncio.to_thread(self.batch_store.file_content, file_id)
+    async def get_file_content(self, file_id: str, request: Request) -> Response:
+        tenant = self.authenticate_http(request).tenant
+        content = await asyncio.to_thread(self.batch_store.file_content, file_id, tenant)
         return Response(content, media_type="application/jsonl")
 
-    async def create_batch(self, body: CreateBatchRequest) -> dict[str, Any]:
+    async def create_batch(self, body: CreateBatchRequest, request: Request) -> dict[str, Any]:
+        principal = self.authenticate_http(request)
+        check_class(principal, RequestClass.BATCH, param="endpoint")
         record = await asyncio.to_thread(self.batch_store.create_batch, body.input_file_id, body.endpoint,
-                                         body.completion_window, body.metadata)
+                                         body.completion_window, body.metadata, principal.tenant)
         self.dispatcher.notify_new_work()
         return batch_shapes.batch_object(record)
 
-    async def get_batch(self, batch_id: str) -> dict[str, Any]:
-        return batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, batch_id))
+    async def get_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
+        return batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, batch_id, tenant))
 
-    async def list_batches(self, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
-        page = await asyncio.to_thread(self.batch_store.list_batches, after, limit)
+    async def list_batches(self, request: Request, after: str | None = None,
+                           limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
+        page = await asyncio.to_thread(self.batch_store.list_batches, after, limit, tenant)
         return batch_shapes.list_object([batch_shapes.batch_object(b) for b in page.data], page.has_more)
 
-    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
-        record = await asyncio.to_thread(self.batch_store.cancel_batch, batch_id)
+    async def cancel_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
+        record = await asyncio.to_thread(self.batch_store.cancel_batch, batch_id, tenant)
         return batch_shapes.batch_object(record)
 
-    async def submit_batch(self, filename: str, content: bytes, endpoint: str, completion_window: str,
-                           metadata: dict[str, str] | None) -> dict[str, Any]:
+    async def submit_batch(self, principal: Principal, filename: str, content: bytes, endpoint: str,
+                           completion_window: str, metadata: dict[str, str] | None) -> dict[str, Any]:
         """Upload + create in one step (gRPC SubmitBatch). Raises OpenAIError or BatchStoreError."""
+        check_class(principal, RequestClass.BATCH, param="endpoint")
         limit = self.pipeline.cfg.batch.max_file_bytes
         if len(content) > limit:
             raise api.OpenAIError(413, f"input_content is larger than the {limit}-byte limit: split it into several "
                                        "batches", param="input_content", code="file_too_large")
-        file = await asyncio.to_thread(self.batch_store.create_file, "batch", filename, content)
+        file = await asyncio.to_thread(self.batch_store.create_file, "batch", filename, content, principal.tenant)
         record = await asyncio.to_thread(self.batch_store.create_batch, file.id, endpoint, completion_window,
-                                         metadata)
+                                         metadata, principal.tenant)
         self.dispatcher.notify_new_work()
         return batch_shapes.batch_object(record)
 
-    async def batch_with_output(self, batch_id: str, include_output: bool) -> tuple[dict[str, Any], bytes, bytes]:
+    async def batch_with_output(self, principal: Principal, batch_id: str,
+                                include_output: bool) -> tuple[dict[str, Any], bytes, bytes]:
         """A batch object and, when asked, its output and error files' contents (gRPC GetBatch)."""
-        batch = batch_shapes.batch_object(await asyncio.to_thread(self.batch_store.get_batch, batch_id))
+        store, tenant = self.batch_store, principal.tenant
+        batch = batch_shapes.batch_object(await asyncio.to_thread(store.get_batch, batch_id, tenant))
         output = error_lines = b""
         if include_output:
             if batch.get("output_file_id"):
-                output = await asyncio.to_thread(self.batch_store.file_content, batch["output_file_id"])
+                output = await asyncio.to_thread(store.file_content, batch["output_file_id"], tenant)
             if batch.get("error_file_id"):
-                error_lines = await asyncio.to_thread(self.batch_store.file_content, batch["error_file_id"])
+                error_lines = await asyncio.to_thread(store.file_content, batch["error_file_id"], tenant)
         return batch, output, error_lines
 
 

@@ -11,6 +11,7 @@ import math
 import time
 from dataclasses import replace
 
+from app.batch.store import DEFAULT_TENANT
 from app.classes import Lane, RequestClass
 from app.config import AppConfig
 from app.lanes.admission import AdmissionResult, Decision
@@ -89,11 +90,12 @@ class TrafficControl:
 
     # ---- arrival ----------------------------------------------------------------------------------------------
 
-    def admit(self, request_class: RequestClass) -> AdmissionResult:
+    def admit(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> AdmissionResult:
         if not self.enabled:
             return AdmissionResult(Decision.ADMIT, "admission_disabled")
         # A lane that is down is route()'s business (503 with the breaker's Retry-After), not a full queue's (429).
-        return self.back_pressure.try_enqueue(request_class, lambda: self._queue_retry_after_s(request_class))
+        return self.back_pressure.try_enqueue(request_class, lambda: self._queue_retry_after_s(request_class),
+                                              tenant)
 
     def _queue_retry_after_s(self, request_class: RequestClass) -> int:
         if request_class is RequestClass.INTERACTIVE and self.hot_slots is not None:
@@ -116,8 +118,10 @@ class TrafficControl:
 
     def route(self, request_class: RequestClass, prompt_tokens: int, max_tokens: int, *,
               has_stop_strings: bool = False, hot_refused_for_kv: bool = False, hot_wait_expired: bool = False,
-              continuation: bool = False, waited_s: float = 0.0) -> RouteDecision | RouteRefusal:
-        """The routing decision from the present state; `waited_s`: how long the request has been at the Router."""
+              continuation: bool = False, waited_s: float = 0.0,
+              tenant: str = DEFAULT_TENANT) -> RouteDecision | RouteRefusal:
+        """The routing decision from the present state; `waited_s`: how long the request has been at the Router;
+        `tenant`: whose request (the wait for a hot slot is its turn among the tenants waiting)."""
         admission = self.cfg.admission
         # A half-open breaker whose probes are taken refuses too (retry_after_s > 0): the decision moves or holds
         # the request instead of starting it into a refusal.
@@ -126,7 +130,7 @@ class TrafficControl:
             return decide_route(RouteInputs(request_class, prompt_tokens, max_tokens, self.lane_caps,
                                             long_context_threshold=10**12, open_breakers=open_breakers,
                                             continuation=continuation))
-        hot_slots = self._hot_slot_state()
+        hot_slots = self._hot_slot_state(tenant)
         # Spill room is only asked for when the hot lane cannot take the request now (spill.py, rule 5d).
         needs_spill_room = request_class is RequestClass.INTERACTIVE and (
             hot_wait_expired or (hot_slots is not None and hot_slots.free == 0))
@@ -149,14 +153,14 @@ class TrafficControl:
             decision = replace(decision, retry_after_s=self._interactive_retry_after_s(earliest))
         return decision
 
-    def _hot_slot_state(self) -> HotSlotState | None:
+    def _hot_slot_state(self, tenant: str = DEFAULT_TENANT) -> HotSlotState | None:
         """Free hot slots, and the predicted first token of a request that would wait for one: the wait plus the
         time from a slot to the first token, against the TTFT target (only worked out when no slot is free)."""
         slots = self.hot_slots
         if slots is None:
             return None
         free = slots.free()
-        return HotSlotState(free, 0.0 if free else slots.predicted_wait_s() + slots.start_latency_s())
+        return HotSlotState(free, 0.0 if free else slots.predicted_wait_s(tenant=tenant) + slots.start_latency_s())
 
     def _cold_spill_room(self, waited_s: float) -> bool:
         """Room for one more spilled interactive request, whose first token the cold lane's recent start times say
@@ -189,13 +193,13 @@ class TrafficControl:
 
     # ---- progress -----------------------------------------------------------------------------------------------
 
-    def started(self, request_class: RequestClass) -> None:
+    def started(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> None:
         if self.enabled:
-            self.back_pressure.dequeue(request_class)
+            self.back_pressure.dequeue(request_class, tenant)
 
-    def abandoned_before_start(self, request_class: RequestClass) -> None:
+    def abandoned_before_start(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> None:
         if self.enabled:
-            self.back_pressure.dequeue(request_class)
+            self.back_pressure.dequeue(request_class, tenant)
 
     def finished(self, request_class: RequestClass, lane: Lane, ok: bool | None, e2e_s: float | None) -> None:
         """A lane call ended: `ok` False counts against the lane's breaker (a lane failure or a deadline), True for

@@ -18,12 +18,16 @@ from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneReplicaLost, LaneRequest
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
 from app.prefix_cache.mirror import mirror_stats
+from app.router.auth import KeyRing
 from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
 from app.router.control import TrafficControl
+from app.router.body_limit import BodyLimits
+from app.router.body_limit import set_limits as set_body_limits
 from app.router.grpc_api import GrpcApi
 from app.router.http_api import HTTP_ROUTES, HttpApi, make_http_app
 from app.router.pipeline import RequestPipeline
 from app.router.prompts import PromptTokenizer
+from app.router.rate_limits import RateLimiter
 from app.router.replica_counts import LANE_DEPLOYMENTS, ROUTER_DEPLOYMENT, running_replicas
 
 logger = logging.getLogger(__name__)
@@ -31,6 +35,8 @@ LANE_OF_DEPLOYMENT = {deployment: lane for lane, deployment in LANE_DEPLOYMENTS.
 # How often each Router replica publishes the batch backlog and its admission queue depths, and re-reads the
 # running replica counts its shares follow.
 BACKLOG_METRICS_INTERVAL_S = 5.0
+# How often each Router replica gives back the rate-limit allowances it holds unused.
+RATE_LIMIT_RETURN_INTERVAL_S = 1.0
 # An admin stats call to a lane or the PrefixCache that takes longer than this is reported as an error.
 ADMIN_CALL_TIMEOUT_S = 5.0
 
@@ -76,7 +82,9 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: 
                    # This Router replica's choices of lane replica (prefix-affinity router), per deployment.
                    "replica_routing": all_decision_stats(),
                    # Its copy of the prefix index (prefix_cache.lookup: local_mirror): size, age, syncs.
-                   "prefix_index_mirror": mirror_stats()},
+                   "prefix_index_mirror": mirror_stats(),
+                   # The API keys' rate limits at this Router: allowances held, exchanges with the shared buckets.
+                   "rate_limits": pipeline.rate_limits.stats() if pipeline.rate_limits else None},
     }
 
 
@@ -120,6 +128,9 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         from app.observability.tracing import setup_tracing
 
         cfg = self.cfg = load_app_config(app_args)
+        # First: a Router without the keys its config names does not start (auth.mode none: a warning).
+        self.keyring = KeyRing.from_config(cfg.auth)
+        set_body_limits(BodyLimits(cfg.router.max_request_bytes, cfg.batch.max_file_bytes))
         # Built here, not at import: Serve's metrics pick up the replica's tags when they are created.
         self.metrics = LlmLanesMetrics()
         self.tracing = setup_tracing(cfg.observability.tracing.model_dump(), component="Router")
@@ -128,19 +139,35 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # Running replicas per lane, read from Serve's status every few seconds; None until the first read.
         self.lane_replicas: dict[str, int | None] = {lane.value: None for lane in handles}
         self.control = TrafficControl(cfg)
+        if len(self.keyring.tenants) > 1:
+            # Tenants share each class's queue: one tenant's flood leaves room for the others' requests.
+            self.control.back_pressure.share_between_tenants(cfg.admission.tenant_queue_share)
         self.prefix_cache = prefix_cache
         # The lanes' request routers run in this process (they route this Router's handle calls): their decision
         # times become the llm_lanes_replica_routing_seconds histogram.
         add_decision_observer(self._observe_replica_routing)
         tokenizer = PromptTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer_source))
+        # The keys' rate-limit buckets live in the PrefixCache, shared by every Router replica.
+        self.rate_limits = (RateLimiter(lambda orders: prefix_cache.rate_limit_exchange.remote(list(orders)))
+                            if self.keyring.has_rate_limits else None)
         self.pipeline = RequestPipeline(cfg, tokenizer, self.control, ServeLaneClients(handles), self.metrics,
-                                        self.tracing)
+                                        self.tracing, rate_limits=self.rate_limits)
         batch = cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
         # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
         self.dispatcher = BatchDispatcher(self.batch_store, lambda line: execute_batch_line(self.pipeline, line), batch)
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
+        self._rate_limit_task = asyncio.create_task(self._return_idle_allowances_forever())
+
+    async def _return_idle_allowances_forever(self) -> None:
+        """Rate-limit allowances this Router holds but does not use go back to the shared buckets."""
+        while self.rate_limits is not None:
+            await asyncio.sleep(RATE_LIMIT_RETURN_INTERVAL_S)
+            try:
+                await self.rate_limits.return_idle()
+            except Exception as error:  # limits must never take the Router down
+                logger.warning("could not return idle rate-limit allowances: %s", error)
 
     def _observe_replica_routing(self, deployment: str, decision, elapsed_s: float) -> None:
         lane = LANE_OF_DEPLOYMENT.get(deployment, deployment)
@@ -188,6 +215,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # Graceful shutdown (serve run stopped, serve deploy, scale-down): in-flight batch lines get half the
         # replica's shutdown time to be recorded; the leases of the rest are released, not left to run out.
         self._backlog_metrics_task.cancel()
+        self._rate_limit_task.cancel()
         self.tracing.shutdown()
         try:
             await self.dispatcher.shutdown(self._dispatcher_task, self.cfg.router.graceful_shutdown_timeout_s / 2)

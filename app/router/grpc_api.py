@@ -26,6 +26,7 @@ from app.observability.tracing import carrier_from_grpc_metadata
 from app.proto import convert
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
+from app.router.auth import Principal, require_admin
 from app.router.batch_api import openai_error_from_store
 from app.router.endpoints import CHAT, COMPLETION, Endpoint
 from app.router.lane_call import LaneCall
@@ -70,6 +71,22 @@ def set_grpc_error(grpc_context, error: api.OpenAIError | BatchStoreError) -> co
 class GrpcApi:
     pipeline: RequestPipeline
 
+    def authenticate_grpc(self, grpc_context, admin: bool = False) -> Principal:
+        """The caller of an RPC, from its `authorization` metadata (UNAUTHENTICATED; PERMISSION_DENIED for a
+        non-admin key on an admin RPC). Raises OpenAIError."""
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        principal = self.keyring.authenticate_metadata(metadata)
+        if admin:
+            require_admin(principal)
+        return principal
+
+    def check_size(self, request, limit: int | None = None) -> None:
+        """A message over router.max_request_bytes is refused before anything reads it (RESOURCE_EXHAUSTED)."""
+        limit = limit or self.pipeline.cfg.router.max_request_bytes
+        if request.ByteSize() > limit:
+            raise api.OpenAIError(413, f"the request message is larger than the {limit}-byte limit",
+                                  code="request_too_large")
+
     async def Generate(self, request: pb.CompletionRequest, grpc_context=None) -> AsyncIterator[pb.CompletionChunk]:
         # aclosing: a client that leaves closes the whole chain at once (lane call cancelled, outcome counted).
         async with contextlib.aclosing(self._stream(COMPLETION, request, grpc_context)) as messages:
@@ -89,18 +106,28 @@ class GrpcApi:
                 yield message
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context=None) -> pb.GetStatsResponse:
+        try:
+            self.authenticate_grpc(grpc_context, admin=True)
+        except api.OpenAIError as error:
+            set_grpc_error(grpc_context, error)
+            return pb.GetStatsResponse()
         # Through JSON first: the Struct takes only str keys and JSON values.
         return convert.stats_response_from_dict(json.loads(json.dumps(await self.admin_stats(), default=str)))
 
     async def SubmitBatch(self, request: pb.SubmitBatchRequest, grpc_context=None) -> pb.Batch:
         """POST /v1/files + POST /v1/batches in one call."""
         try:
+            principal = self.authenticate_grpc(grpc_context)
+            # The batch file itself is bounded by batch.max_file_bytes (413 below, naming it).
+            limits = self.pipeline.cfg
+            self.check_size(request, limits.batch.max_file_bytes + limits.router.max_request_bytes)
             try:
                 submission = convert.submit_batch_from_proto(request)
             except convert.InvalidProtoRequest as error:
                 raise api.OpenAIError(400, str(error), param=error.param) from None
-            batch = await self.submit_batch("grpc-batch.jsonl", submission.input_content, submission.endpoint,
-                                            submission.completion_window, submission.metadata or None)
+            batch = await self.submit_batch(principal, "grpc-batch.jsonl", submission.input_content,
+                                            submission.endpoint, submission.completion_window,
+                                            submission.metadata or None)
             return convert.batch_from_openai(batch)
         except (api.OpenAIError, BatchStoreError) as error:
             set_grpc_error(grpc_context, error)
@@ -108,7 +135,9 @@ class GrpcApi:
 
     async def GetBatch(self, request: pb.GetBatchRequest, grpc_context=None) -> pb.GetBatchResponse:
         try:
-            batch, output, error_lines = await self.batch_with_output(request.batch_id, request.include_output)
+            principal = self.authenticate_grpc(grpc_context)
+            batch, output, error_lines = await self.batch_with_output(principal, request.batch_id,
+                                                                      request.include_output)
             return convert.get_batch_response(batch, output, error_lines)
         except (api.OpenAIError, BatchStoreError) as error:
             set_grpc_error(grpc_context, error)
@@ -161,13 +190,13 @@ class GrpcApi:
 
     def _body(self, endpoint: Endpoint, request, stream: bool) -> tuple[Any, str | None]:
         """A proto request -> (the validated OpenAI body model, the class its enum asks for). Raises OpenAIError.
-        An empty `model` means the served model (proto3 cannot tell unset from empty)."""
+        `model` is required as on HTTP: an empty one names no model (404, as HTTP answers `"model": ""`)."""
         try:
             converted = PROTO_SHAPES[endpoint.name].to_openai(request, stream=stream)
         except convert.InvalidProtoRequest as error:
             raise api.OpenAIError(400, str(error), param=error.param) from None
         try:
-            body = endpoint.validate({"model": self.pipeline.model, **converted.body})
+            body = endpoint.validate({"model": request.model, **converted.body})
         except ValidationError as error:
             raise api.validation_error(error.errors()) from None
         return body, converted.request_class
@@ -177,9 +206,11 @@ class GrpcApi:
         carrier = None
         if pipeline.tracing.enabled and grpc_context is not None:
             carrier = carrier_from_grpc_metadata(grpc_context.invocation_metadata())
+        principal = self.authenticate_grpc(grpc_context)
+        self.check_size(request)
         body, request_class = self._body(endpoint, request, stream)
         return await pipeline.start(endpoint, body, class_header=request_class,
-                                    record=pipeline.new_record(endpoint, carrier))
+                                    record=pipeline.new_record(endpoint, carrier), principal=principal)
 
     @staticmethod
     def _serving(call: LaneCall) -> pb.ServingInfo:

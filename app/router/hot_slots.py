@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 from app.observability.percentile import percentile
-from app.router.slot_waiters import SlotWaiters
+from app.router.slot_waiters import DEFAULT_TENANT, SlotWaiters
 
 START_LATENCY_PERCENTILE = 99
 # Hold times kept for the prediction: enough to smooth one slow request, few enough to follow a change of load.
@@ -70,13 +70,15 @@ class LaneSlots:
         the tail of this part of it); 0 before any is known."""
         return percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
 
-    def predicted_wait_s(self, ahead: int | None = None) -> float:
-        """Wait for a slot of a request joining the line behind `ahead` others (default: those waiting now).
+    def predicted_wait_s(self, ahead: int | None = None, tenant: str | None = None) -> float:
+        """Wait for a slot of a request joining the line behind `ahead` others (default: those served before a
+        request of `tenant` joining now, tenants taking turns; without a tenant: all those waiting).
 
         Slots free at about limit / hold-time per second once all are taken; with no hold time known yet (nothing
         ever held one) the wait is taken as 0: the first burst waits for the slots it fills.
         """
-        ahead = self.waiting if ahead is None else ahead
+        if ahead is None:
+            ahead = self._waiters.ahead_of(tenant) if tenant is not None else self.waiting
         if ahead == 0 and self.in_flight < self.limit:
             return 0.0
         if self.limit == 0:
@@ -103,9 +105,10 @@ class LaneSlots:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return token
 
-    async def acquire(self) -> int:
-        """Wait for a slot (FIFO behind earlier waiters), take it, return its token. Cancellation leaves the line."""
-        await self._waiters.wait_until(lambda: self.in_flight < self.limit)
+    async def acquire(self, tenant: str = DEFAULT_TENANT) -> int:
+        """Wait for a slot (tenants in turn, FIFO within one), take it, return its token. Cancellation leaves the
+        line."""
+        await self._waiters.wait_until(lambda: self.in_flight < self.limit, tenant)
         return self.take()
 
     def release(self, token: int, record_hold: bool = True) -> None:
@@ -122,4 +125,5 @@ class LaneSlots:
     def stats(self) -> dict[str, float | int | None]:
         hold = self.hold_time_s()
         return {"limit": self.limit, "in_flight": self.in_flight, "waiting": self.waiting,
+                "waiting_by_tenant": self._waiters.waiting_by_tenant(),
                 "peak_in_flight": self.peak_in_flight, "hold_time_s": round(hold, 3) if hold is not None else None}

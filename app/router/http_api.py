@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.classes import REQUEST_CLASS_HEADER
 from app.prefix_cache.index import block_hashes
 from app.router import openai_api as api
+from app.router.auth import AUTHORIZATION_HEADER, Principal, require_admin
+from app.router.body_limit import BodySizeLimit
 from app.router.endpoints import CHAT, COMPLETION, Endpoint
 from app.router.lane_call import LaneCall
 from app.router.pipeline import RequestPipeline
@@ -73,6 +75,7 @@ def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -
     """The FastAPI app with OpenAI-shaped errors for everything: never a stack trace to the client.
     `extra_error_types` maps other exception types (e.g. the batch store's) to an OpenAIError factory."""
     app = FastAPI(title="llm-lanes", docs_url="/docs", openapi_url="/openapi.json")
+    app.add_middleware(BodySizeLimit)
 
     @app.exception_handler(api.OpenAIError)
     async def _openai_error(_: Request, error: api.OpenAIError) -> JSONResponse:
@@ -104,12 +107,21 @@ def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -
 class HttpApi:
     pipeline: RequestPipeline
 
+    def authenticate_http(self, request: Request, admin: bool = False) -> Principal:
+        """The caller of an HTTP request, from its `Authorization: Bearer` key (401, or 403 for a non-admin key
+        on an admin endpoint). The key ring is the deployment's."""
+        principal = self.keyring.authenticate(request.headers.get(AUTHORIZATION_HEADER))
+        if admin:
+            require_admin(principal)
+        return principal
+
     async def health(self) -> JSONResponse:
         """For a load balancer: 503 while the hot lane has no running replica (replica_counts.health_response)."""
         status_code, body = health_response(self.lane_replicas)
         return JSONResponse(body, status_code=status_code)
 
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.authenticate_http(request)
         model = self.pipeline.cfg.model
         return {"object": "list",
                 "data": [{"id": model.served_name, "object": "model", "created": 0, "owned_by": "llm-lanes",
@@ -123,10 +135,11 @@ class HttpApi:
 
     async def _generate(self, endpoint: Endpoint, body, request: Request):
         pipeline = self.pipeline
+        principal = self.authenticate_http(request)
         record = pipeline.new_record(endpoint, request.headers if pipeline.tracing.enabled else None)
         call = await pipeline.start(endpoint, body, class_header=request.headers.get(REQUEST_CLASS_HEADER),
                                     client_timeout_s=client_timeout(request.headers.get(REQUEST_TIMEOUT_HEADER)),
-                                    record=record)
+                                    record=record, principal=principal)
         # The lane that started the answer (a decode handoff's continuation says so in x-llm-lanes-degraded).
         headers = call.headers()
         if body.stream:
@@ -135,11 +148,13 @@ class HttpApi:
                                      headers=headers)
         return JSONResponse(await pipeline.collect(call), headers=headers)
 
-    async def admin_stats_route(self) -> dict[str, Any]:
+    async def admin_stats_route(self, request: Request) -> dict[str, Any]:
+        self.authenticate_http(request, admin=True)
         return await self.admin_stats()
 
     async def admin_prefix_lookup(self, request: Request) -> dict[str, Any]:
         """Which replicas hold how much of this prompt's prefix: {"prompt": str | [token ids]} -> matches."""
+        self.authenticate_http(request, admin=True)
         try:
             body = await request.json()
         except ValueError:

@@ -15,7 +15,9 @@ from typing import Any, Protocol
 from app.classes import Lane, RequestClass
 from app.lanes.types import LaneChunk, LaneReplicaLost, LaneRequest, LaneRequestInvalid, LaneSaturated
 from app.router import openai_api as api
+from app.router.auth import OPEN_PRINCIPAL, Principal
 from app.router.control import TrafficControl
+from app.router.rate_limits import NO_CHARGE, Charge
 from app.router.endpoints import Endpoint
 from app.router.record import CLIENT_CLOSED_STATUS, RequestRecord
 from app.router.spill import RouteDecision
@@ -54,6 +56,14 @@ class RequestContext:
     route: RouteDecision | None = None
     lane: Lane | None = None
     reasons: list[str] = field(default_factory=list)
+    # Who sent it (its API key's tenant, classes and limits).
+    principal: Principal = OPEN_PRINCIPAL
+    # What it took from its key's rate limits (settled when it ends), and their x-ratelimit-* headers.
+    charge: Charge = field(default_factory=lambda: NO_CHARGE)
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant
 
     @property
     def request_id(self) -> str:
@@ -66,6 +76,7 @@ class RequestContext:
             headers["x-llm-lanes-replica"] = replica_id
         if self.reasons:
             headers["x-llm-lanes-degraded"] = ",".join(self.reasons)
+        headers.update(self.charge.headers)
         return headers
 
 
@@ -180,7 +191,8 @@ class LaneCall:
                 budget_s = (self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot
                             else self._remaining())
                 try:
-                    token = await asyncio.wait_for(slots.acquire(), timeout=min(budget_s, self._remaining()))
+                    token = await asyncio.wait_for(slots.acquire(self.context.tenant),
+                                                   timeout=min(budget_s, self._remaining()))
                 except asyncio.TimeoutError:
                     if self._remaining() <= 0:
                         raise self._deadline_error() from None
@@ -247,6 +259,7 @@ class LaneCall:
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
             self.stream.cancel()
+            self.context.charge.settle(self._output_tokens())
             # Abandoned mid-stream by the client: no outcome for the lane, and no E2E sample for the deadline P99.
             self._end_lane_call(ok=None)
             if not record.finished:

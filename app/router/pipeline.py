@@ -22,8 +22,10 @@ from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tra
 from app.router import openai_api as api
 from app.router.control import TrafficControl
 from app.router.endpoints import Endpoint
+from app.router.auth import OPEN_PRINCIPAL, Principal, check_class
 from app.router.lane_call import LaneCall, LaneClients, RequestContext
 from app.router.prompts import PromptTokenizer
+from app.router.rate_limits import NO_CHARGE, Charge, RateLimited, RateLimiter
 from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RecentTtft, RequestRecord, reason_label
 from app.router.spill import RouteDecision, RouteRefusal
 
@@ -37,7 +39,8 @@ TOKENIZE_INLINE_MAX_CHARS = 2048
 
 class RequestPipeline:
     def __init__(self, cfg: AppConfig, tokenizer: PromptTokenizer, control: TrafficControl, lanes: LaneClients,
-                 metrics, tracing: Tracing, tokenize_executor: concurrent.futures.Executor | None = None):
+                 metrics, tracing: Tracing, tokenize_executor: concurrent.futures.Executor | None = None,
+                 rate_limits: RateLimiter | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.control = control
@@ -45,6 +48,8 @@ class RequestPipeline:
         self.metrics = metrics
         self.tracing = tracing
         self.recent_ttft = RecentTtft()
+        # The API keys' requests and tokens per minute, app-wide (None: no key has limits).
+        self.rate_limits = rate_limits
         # One thread by default: long prompts are tokenized one at a time, never concurrently on the one tokenizer.
         self.tokenize_executor = tokenize_executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tokenize")
@@ -65,14 +70,15 @@ class RequestPipeline:
                                   param="model", code="model_not_found")
 
     def prepare(self, endpoint: Endpoint, body, class_header: str | None, record: RequestRecord,
-                client_timeout_s: float | None = None) -> RequestContext:
-        """Validate, tokenize once, classify: everything before admission. Raises OpenAIError."""
+                client_timeout_s: float | None = None, principal: Principal = OPEN_PRINCIPAL) -> RequestContext:
+        """Validate, classify, tokenize once: everything before admission. Raises OpenAIError."""
         self.check_model(body.model)
-        token_ids = self.tokenizer.token_ids(body)
         try:
             request_class = classify(body.service_tier, class_header)
         except UnknownRequestClass as error:
             raise api.OpenAIError(400, str(error), param=error.param, code="invalid_request_class") from None
+        check_class(principal, request_class, "X-Request-Class header" if class_header else "service_tier")
+        token_ids = self.tokenizer.token_ids(body)
         limit = self.cfg.model.max_model_len
         if len(token_ids) >= limit:
             raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the prompt has "
@@ -93,22 +99,25 @@ class RequestPipeline:
             trace_carrier=record.carrier(),
         )
         record.request_class = request_class
-        return RequestContext(endpoint, request_class, lane_request, record, max_tokens)
+        return RequestContext(endpoint, request_class, lane_request, record, max_tokens, principal=principal)
 
     # ---- the whole front half --------------------------------------------------------------------------------------
 
     async def start(self, endpoint: Endpoint, body, *, class_header: str | None = None,
-                    client_timeout_s: float | None = None, record: RequestRecord | None = None) -> "LaneCall":
+                    client_timeout_s: float | None = None, record: RequestRecord | None = None,
+                    principal: Principal = OPEN_PRINCIPAL) -> "LaneCall":
         """prepare -> admit -> route -> start on the lane (its first chunk in hand). Raises OpenAIError with the
-        right status; the request's outcome is counted here when it ends before its first chunk."""
+        right status; the request's outcome is counted here when it ends before its first chunk. `principal`: the
+        caller its API key names (the surfaces authenticate first); batch lines run as the open principal."""
         record = record if record is not None else self.new_record(endpoint)
         try:
             with record.span_for(SPAN_CLASSIFY):
                 if body.prompt_size() > TOKENIZE_INLINE_MAX_CHARS:
                     context = await asyncio.get_running_loop().run_in_executor(
-                        self.tokenize_executor, self.prepare, endpoint, body, class_header, record, client_timeout_s)
+                        self.tokenize_executor, self.prepare, endpoint, body, class_header, record, client_timeout_s,
+                        principal)
                 else:
-                    context = self.prepare(endpoint, body, class_header, record, client_timeout_s)
+                    context = self.prepare(endpoint, body, class_header, record, client_timeout_s, principal)
             return await self._admit_and_start(context)
         except api.OpenAIError as error:
             self._count_refusal(record, body, class_header, error.status)
@@ -121,9 +130,29 @@ class RequestPipeline:
             raise
 
     async def _admit_and_start(self, context: RequestContext) -> "LaneCall":
+        """The key's rate limits first (429 rate_limit_exceeded), then admission and the lane. A request that does
+        not start gives its tokens back; one that does settles them when it ends (LaneCall)."""
+        context.charge = await self._take_rate_limits(context)
+        try:
+            return await self._admit_and_start_on_lane(context)
+        except BaseException:
+            context.charge.settle(0)
+            raise
+
+    async def _take_rate_limits(self, context: RequestContext) -> Charge:
+        if self.rate_limits is None:
+            return NO_CHARGE
+        try:
+            return await self.rate_limits.admit(context.principal, len(context.lane_request.prompt_token_ids),
+                                                context.max_tokens)
+        except RateLimited as limited:
+            raise api.OpenAIError(429, str(limited), type=limited.kind, code="rate_limit_exceeded",
+                                  headers=limited.headers) from None
+
+    async def _admit_and_start_on_lane(self, context: RequestContext) -> "LaneCall":
         request_class, record = context.request_class, context.record
         with record.span_for(SPAN_ADMIT) as span:
-            admitted = self.control.admit(request_class)
+            admitted = self.control.admit(request_class, context.tenant)
             if record.span is not None:
                 span.set_attributes({"llm_lanes.decision": admitted.decision.value,
                                      "llm_lanes.reason": admitted.reason})
@@ -146,11 +175,11 @@ class RequestPipeline:
             record.decided()
             await call.start(decision)
             started = True
-            self.control.started(request_class)
+            self.control.started(request_class, context.tenant)
             return call
         finally:
             if not started:
-                self.control.abandoned_before_start(request_class)
+                self.control.abandoned_before_start(request_class, context.tenant)
             self._publish_queue_depth(request_class)
 
     # ---- route -----------------------------------------------------------------------------------------------------
@@ -165,7 +194,7 @@ class RequestPipeline:
             max_tokens if max_tokens is not None else context.max_tokens,
             has_stop_strings=bool(request.sampling.stop), hot_refused_for_kv=hot_refused_for_kv,
             hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0,
-            waited_s=time.monotonic() - context.record.arrived_at)
+            waited_s=time.monotonic() - context.record.arrived_at, tenant=context.tenant)
         if isinstance(decision, RouteRefusal):
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
             error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")

@@ -1,4 +1,9 @@
-"""Requests waiting in the Router for a slot: first come, first served, woken one per freed slot.
+"""Requests waiting in the Router for a slot: tenants take turns, each tenant's requests first come, first served;
+woken one per freed slot.
+
+Fair share: a freed slot goes to the next tenant in rotation that has a request waiting (round robin, equal
+weights), so one tenant's flood of waiting requests delays another tenant's by at most one slot per flooding
+tenant, not by the whole flood. With one tenant this is plain first come, first served.
 
 Pure asyncio, no Ray. The condition a waiter needs (a free hot-lane slot) lives elsewhere (LaneSlots); this only
 parks the waiters and wakes them. A waiter also re-checks every `recheck_s`, because a condition can become true
@@ -11,6 +16,8 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
+from app.batch.store import DEFAULT_TENANT
+
 RECHECK_S = 0.25
 
 
@@ -19,7 +26,8 @@ class SlotWaiters:
         if recheck_s <= 0:
             raise ValueError(f"recheck_s={recheck_s} must be > 0")
         self.recheck_s = recheck_s
-        self._queue: deque[asyncio.Future] = deque()
+        self._queues: dict[str, deque[asyncio.Future]] = {}
+        self._turns: deque[str] = deque()  # tenants with a queue, the next to be served first
         self._waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -27,14 +35,30 @@ class SlotWaiters:
         """Requests waiting now."""
         return self._waiting
 
-    async def wait_until(self, has_slot: Callable[[], bool]) -> None:
+    def waiting_by_tenant(self) -> dict[str, int]:
+        return {tenant: sum(not w.done() for w in queue) for tenant, queue in self._queues.items()}
+
+    def ahead_of(self, tenant: str) -> int:
+        """Requests served before one of `tenant` that joins the line now: its tenant's own waiting requests, and of
+        every other tenant as many as take turns meanwhile (one per turn of this tenant, at most all they have)."""
+        waiting = self.waiting_by_tenant()
+        own = waiting.get(tenant, 0)
+        return own + sum(min(count, own + 1) for other, count in waiting.items() if other != tenant)
+
+    def _enqueue(self, tenant: str, waiter: asyncio.Future) -> None:
+        if tenant not in self._queues:
+            self._queues[tenant] = deque()
+            self._turns.append(tenant)
+        self._queues[tenant].append(waiter)
+
+    async def wait_until(self, has_slot: Callable[[], bool], tenant: str = DEFAULT_TENANT) -> None:
         """Return once has_slot() is true; the caller takes the slot before its next await."""
         # Those already waiting go first: a newcomer does not overtake them even when a slot happens to be free.
         if not self._waiting and has_slot():
             return
         loop = self._loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self._queue.append(waiter)
+        self._enqueue(tenant, waiter)
         self._waiting += 1
         try:
             while True:
@@ -47,9 +71,9 @@ class SlotWaiters:
                 if has_slot():
                     return
                 # Woken, but the freed slot is not one this request may take (a hot loan while interactive work
-                # waits): back in line, at the end.
+                # waits): back in line, at the end of its tenant's.
                 waiter = loop.create_future()
-                self._queue.append(waiter)
+                self._enqueue(tenant, waiter)
         except asyncio.CancelledError:
             if waiter.done():
                 self.notify_one()  # woken but gone: hand the wake-up on
@@ -60,7 +84,8 @@ class SlotWaiters:
                 waiter.cancel()  # out of line: notify_one skips it
 
     def notify_one(self) -> None:
-        """A slot was freed: wake the longest-waiting request (it re-checks the condition itself). Safe from any
+        """A slot was freed: wake the longest-waiting request of the tenant whose turn it is (it re-checks the
+        condition itself). Safe from any
         thread (a garbage-collection finalizer may free a slot off the event loop's thread)."""
         try:
             running = asyncio.get_running_loop()
@@ -74,8 +99,17 @@ class SlotWaiters:
         self._wake_first()
 
     def _wake_first(self) -> None:
-        while self._queue:
-            waiter = self._queue.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        while self._turns:
+            tenant = self._turns.popleft()
+            queue = self._queues[tenant]
+            while queue and queue[0].done():
+                queue.popleft()  # left the line (cancelled) or already woken
+            if not queue:
+                del self._queues[tenant]
+                continue
+            queue.popleft().set_result(None)
+            if queue:
+                self._turns.append(tenant)  # its next request waits for the other tenants' turns
+            else:
+                del self._queues[tenant]
+            return

@@ -142,9 +142,11 @@ class AppProcess:
 
     running: set["AppProcess"] = set()
 
-    def __init__(self, config: Path, log_path: Path):
+    def __init__(self, config: Path, log_path: Path, headers: dict[str, str] | None = None):
+        """`headers`: sent with the readiness poll of /v1/admin/stats (an admin key where the app has keys)."""
         self.config = config
         self.log_path = log_path
+        self.headers = headers or {}
         self.bin_dir = Path(sys.executable).parent
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
         self.url = f"http://127.0.0.1:{HTTP_PORT}"
@@ -165,7 +167,7 @@ class AppProcess:
                                    + self.log_path.read_text()[-4000:])
             try:
                 # The Router answers before the engines are up: wait until every lane reports engine stats.
-                stats = httpx.get(f"{self.url}/v1/admin/stats", timeout=10)
+                stats = httpx.get(f"{self.url}/v1/admin/stats", headers=self.headers, timeout=10)
                 if stats.status_code == 200 and all("running" in replicas[0]
                                                     for replicas in stats.json()["lanes"].values()):
                     return
@@ -207,13 +209,15 @@ class AppManager:
         self.dirty = False
 
     def use(self, name: str, write_config: Callable[[Path, Path], Path],
-            ready: Callable[[AppProcess], bool] | None = None) -> AppProcess:
-        """The app `name`, running; `ready` (if given) must hold before it is handed over (e.g. replica counts)."""
+            ready: Callable[[AppProcess], bool] | None = None,
+            headers: dict[str, str] | None = None) -> AppProcess:
+        """The app `name`, running; `ready` (if given) must hold before it is handed over (e.g. replica counts);
+        `headers` go with the readiness poll (an admin key where the app has keys)."""
         if self.app is not None and self.name == name and not self.dirty:
             return self.app
         self.stop()
         tmp_dir = self._tmp_path_factory.mktemp(name)
-        app = AppProcess(write_config(tmp_dir, self._tiny_model), tmp_dir / "serve.log")
+        app = AppProcess(write_config(tmp_dir, self._tiny_model), tmp_dir / "serve.log", headers)
         self.name, self.app, self.dirty = name, app, False
         app.start()
         if ready is not None:

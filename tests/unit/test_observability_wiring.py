@@ -168,10 +168,11 @@ async def test_grpc_request_class_enum_wins_and_batch_goes_cold(tmp_path):
     assert router.lanes["cold"].requests and not router.lanes["hot"].requests
 
 
-async def test_grpc_model_defaults_to_the_served_model(tmp_path):
+async def test_grpc_an_empty_model_is_not_found_as_on_http(tmp_path):
     router = make_router(tmp_path)
-    reply = await router.Complete(completion(model=""), grpc_context=grpc_context())
-    assert reply.text == "abcdef"
+    context = grpc_context()
+    reply = await router.Complete(completion(model=""), grpc_context=context)
+    assert reply == pb.CompletionResponse() and context.code() is grpc.StatusCode.NOT_FOUND
 
 
 @pytest.mark.parametrize("request_, code, status", [

@@ -265,7 +265,7 @@ def test_batch_from_openai():
         (400, grpc.StatusCode.INVALID_ARGUMENT),
         (404, grpc.StatusCode.NOT_FOUND),
         (409, grpc.StatusCode.FAILED_PRECONDITION),
-        (413, grpc.StatusCode.INVALID_ARGUMENT),
+        (413, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (422, grpc.StatusCode.INVALID_ARGUMENT),
         (429, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (500, grpc.StatusCode.INTERNAL),

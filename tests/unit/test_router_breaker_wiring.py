@@ -41,7 +41,8 @@ async def _execute_realtime(router) -> dict:
 
 def line(i: int):
     return SimpleNamespace(batch_id="b", line_no=i, custom_id=f"c{i}", url="/v1/completions",
-                           body={"model": "tiny", "prompt": "hello", "max_tokens": 4}, attempts=0)
+                           body={"model": "tiny", "prompt": "hello", "max_tokens": 4}, attempts=0,
+                           tenant="default")
 
 
 async def test_lane_failures_open_its_breaker_and_then_fail_fast(tmp_path):

@@ -1,0 +1,335 @@
+"""Keys, tenants, rate limits, size limits and what listens where, on the real app: serve_configs/local.yaml with API
+keys of three tenants and two Router replicas (real Ray Serve, real vLLM on CPU).
+
+The rate limit is checked across both Router replicas: a limit each replica enforced on its own would let twice as
+many requests through.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+import yaml
+
+from app.lanes.engine_reaper import descendants, process_table
+from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
+from app.router.auth import hash_key
+from tests.integration.conftest import (
+    GRPC_PORT, HTTP_PORT, TEST_MAX_FILE_BYTES, local_test_document, write_serve_config,
+)
+
+pytestmark = pytest.mark.app("security")
+
+KEY_A, KEY_B, KEY_ADMIN, KEY_LIMITED = (f"sk-test-{name}-5f1e0c9a" for name in ("a", "b", "admin", "limited"))
+RATE_LIMIT_RPM = 30
+ROUTERS = 2
+MAX_REQUEST_BYTES = 64 * 1024
+APPLICATION = ("application", "llm-lanes")
+
+
+def write_config(tmp_dir, tiny_model):
+    document, args = local_test_document(tiny_model)
+    args["cold_lane"]["engine"]["max_num_seqs"] = 8
+    args["router"].update(num_replicas=ROUTERS, max_request_bytes=MAX_REQUEST_BYTES)
+    args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5, "max_file_bytes": TEST_MAX_FILE_BYTES,
+                     "window_min": 8, "window_max": 8}
+    args["auth"] = {"mode": "keys", "keys": [
+        {"sha256": hash_key(KEY_A), "tenant": "team-a", "classes": ["interactive", "batch"]},
+        {"sha256": hash_key(KEY_B), "tenant": "team-b"},
+        {"sha256": hash_key(KEY_ADMIN), "tenant": "ops", "admin": True},
+        {"sha256": hash_key(KEY_LIMITED), "tenant": "team-c", "requests_per_minute": RATE_LIMIT_RPM},
+    ]}
+    return write_serve_config(tmp_dir / "security.yaml", document)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def routers_running(app) -> bool:
+    answer = subprocess.run([str(app.bin_dir / "serve"), "status"], env=app.env, capture_output=True, text=True,
+                            timeout=60)
+    try:
+        states = yaml.safe_load(answer.stdout)["applications"]["llm-lanes"]["deployments"]["Router"]["replica_states"]
+    except (TypeError, KeyError, yaml.YAMLError):
+        return False
+    return states.get("RUNNING", 0) == ROUTERS
+
+
+@pytest.fixture(scope="module")
+def app(apps):
+    return apps.use("security", write_config, ready=routers_running, headers=bearer(KEY_ADMIN))
+
+
+@pytest.fixture(scope="module")
+def url(app) -> str:
+    return app.url
+
+
+@pytest.fixture(scope="module")
+def stub(app):
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+        yield pb_grpc.LlmLanesStub(channel)
+
+
+def complete(url: str, model: str, key: str | None, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2, **extra},
+                      headers=bearer(key) if key else {}, timeout=120)
+
+
+# ---- keys ------------------------------------------------------------------------------------------------------------
+
+def test_http_without_a_valid_key_is_401_and_a_forbidden_class_403(url, served_model):
+    for key in (None, "sk-bogus"):
+        answer = complete(url, served_model, key)
+        assert answer.status_code == 401, answer.text
+        assert answer.json()["error"]["code"] == "invalid_api_key" and "sk-" not in answer.text
+    assert complete(url, served_model, KEY_A).status_code == 200
+    refused = complete(url, served_model, KEY_A, service_tier="priority")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "request_class_not_allowed"
+    assert complete(url, served_model, KEY_B, service_tier="priority").status_code == 200
+    # The official SDK sends the key the same way.
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0, timeout=120)
+    assert sdk.completions.create(model=served_model, prompt="hi", max_tokens=2).usage.completion_tokens > 0
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # load balancers need no key
+
+
+def test_admin_endpoints_need_an_admin_key(url):
+    assert httpx.get(f"{url}/v1/admin/stats", timeout=30).status_code == 401
+    forbidden = httpx.get(f"{url}/v1/admin/stats", headers=bearer(KEY_B), timeout=30)
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "admin_key_required"
+    assert httpx.get(f"{url}/v1/admin/stats", headers=bearer(KEY_ADMIN), timeout=30).status_code == 200
+    lookup = httpx.post(f"{url}/v1/admin/prefix_lookup", json={"prompt": "x"}, headers=bearer(KEY_B), timeout=30)
+    assert lookup.status_code == 403
+
+
+def test_grpc_keys_admin_rpcs_empty_model_and_message_size(stub, served_model):
+    request = pb.CompletionRequest(model=served_model, prompt="hello", sampling=pb.SamplingParams(max_tokens=2))
+    for metadata in ([APPLICATION], [APPLICATION, ("authorization", "Bearer sk-bogus")]):
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Complete(request, metadata=metadata, timeout=120)
+        assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    key_b = [APPLICATION, ("authorization", f"Bearer {KEY_B}")]
+    assert stub.Complete(request, metadata=key_b, timeout=120).usage.completion_tokens > 0
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.GetStats(pb.GetStatsRequest(), metadata=key_b, timeout=60)
+    assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert stub.GetStats(pb.GetStatsRequest(), metadata=[APPLICATION, ("authorization", f"Bearer {KEY_ADMIN}")],
+                         timeout=60).stats
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Complete(pb.CompletionRequest(prompt="hello"), metadata=key_b, timeout=60)
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND  # model "" as HTTP answers it
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Complete(pb.CompletionRequest(model=served_model, prompt="x" * (10 * 1024 * 1024)), metadata=key_b,
+                      timeout=60)
+    assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert time.monotonic() - started < 10  # refused, not tokenized into a deadline
+
+
+def test_http_bodies_over_the_limit_are_413(url, served_model):
+    answer = complete(url, served_model, KEY_B, prompt="x" * (MAX_REQUEST_BYTES + 1))
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == "request_too_large"
+
+
+# ---- tenants ---------------------------------------------------------------------------------------------------------
+
+def batch_content(model: str, count: int, tag: str) -> bytes:
+    return "\n".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": model, "prompt": f"question {i}", "max_tokens": 4}})
+                     for i in range(count)).encode()
+
+
+def wait_for_batch(client: openai.OpenAI, batch_id: str, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while (batch := client.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    return batch
+
+
+def test_files_and_batches_are_isolated_between_tenants(url, stub, served_model):
+    client_a = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    client_b = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0, timeout=120)
+    upload = client_a.files.create(file=("../../etc/passwd", io.BytesIO(batch_content(served_model, 3, "a"))),
+                                   purpose="batch")
+    assert upload.filename == "passwd"
+    batch = wait_for_batch(client_a, client_a.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                             completion_window="24h").id)
+    assert batch.status == "completed" and client_a.files.content(batch.output_file_id).text
+    own_b = client_b.batches.create(
+        input_file_id=client_b.files.create(file=("b.jsonl", io.BytesIO(batch_content(served_model, 1, "b"))),
+                                            purpose="batch").id, endpoint="/v1/completions", completion_window="24h")
+    for call in (lambda: client_b.files.retrieve(upload.id), lambda: client_b.files.content(upload.id),
+                 lambda: client_b.files.content(batch.output_file_id), lambda: client_b.batches.retrieve(batch.id),
+                 lambda: client_b.batches.cancel(batch.id),
+                 lambda: client_b.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                 completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert [b.id for b in client_b.batches.list().data] == [own_b.id]
+    assert batch.id in [b.id for b in client_a.batches.list().data] and own_b.id not in [
+        b.id for b in client_a.batches.list().data]
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id, include_output=True),
+                      metadata=[APPLICATION, ("authorization", f"Bearer {KEY_B}")], timeout=60)
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+    mine = stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id, include_output=True),
+                         metadata=[APPLICATION, ("authorization", f"Bearer {KEY_A}")], timeout=60)
+    assert mine.output_content
+    wait_for_batch(client_b, own_b.id)
+
+
+# ---- rate limits -----------------------------------------------------------------------------------------------------
+
+def test_a_rate_limit_holds_across_both_router_replicas(url, served_model):
+    """A flood at a key limited to 30 requests a minute: the bucket allows 30 at once plus its refill while the flood
+    lasts (30 / 60 per second), for both Routers together."""
+    requests = 3 * RATE_LIMIT_RPM
+
+    def one(_):
+        return complete(url, served_model, KEY_LIMITED, max_tokens=1)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(one, range(requests)))
+    elapsed = time.monotonic() - started
+    ok = [a for a in answers if a.status_code == 200]
+    limited = [a for a in answers if a.status_code == 429]
+    assert len(ok) + len(limited) == requests, {a.status_code for a in answers}
+    allowed = RATE_LIMIT_RPM + RATE_LIMIT_RPM * elapsed / 60
+    print(f"rate limit {RATE_LIMIT_RPM}/min over {ROUTERS} Routers: {len(ok)} admitted, {len(limited)} refused "
+          f"in {elapsed:.1f} s; the bucket allows {allowed:.1f}")
+    assert abs(len(ok) - allowed) <= 0.1 * allowed
+    for answer in ok[:3]:
+        assert answer.headers["x-ratelimit-limit-requests"] == str(RATE_LIMIT_RPM)
+        assert "x-ratelimit-remaining-requests" in answer.headers and "x-ratelimit-reset-requests" in answer.headers
+    refusal = limited[0]
+    assert refusal.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refusal.headers["Retry-After"]) <= 60
+    assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
+    # Other keys are not limited by it.
+    assert complete(url, served_model, KEY_B).status_code == 200
+
+
+# ---- what listens where ----------------------------------------------------------------------------------------------
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket in LISTEN state that a process in `pids` holds."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout.splitlines()
+    found = []
+    for line in lines:
+        fields = line.split()
+        owners = re.findall(r'\("([^"]+)",pid=(\d+)', line)
+        if not any(int(pid) in pids for _, pid in owners):
+            continue
+        address, _, port = fields[3].rpartition(":")
+        found.append((address.strip("[]"), int(port), owners[0][0]))
+    return found
+
+
+def test_http_listens_on_loopback_only_and_the_rest_is_rays_own(app):
+    """local.yaml's exposure, measured: the sockets of the app's processes (`serve run` and everything under it)."""
+    pids = {app.process.pid} | descendants(process_table(), [app.process.pid])
+    sockets = listening_sockets(pids)
+    by_port = {port: (address, process) for address, port, process in sockets}
+    assert by_port[HTTP_PORT][0] == "127.0.0.1"
+    assert by_port[8265][0] == "127.0.0.1"  # the Ray dashboard
+    wide = sorted({(address, process) for address, _, process in sockets
+                   if address not in ("127.0.0.1", "::1", "localhost")})
+    print("listeners beyond loopback:", wide)
+    # What listens wider is Ray's (GCS, raylet, the workers' gRPC servers, the agents, the metrics export) and
+    # Serve's gRPC proxy, which binds [::] (docs/operators.md#security); no engine listens beyond loopback.
+    assert wide and not [process for _, process in wide if process.startswith("VLLM")]
+    assert by_port[GRPC_PORT] == ("*", "ray::ProxyActor")
+
+
+# ---- fair share ------------------------------------------------------------------------------------------------------
+
+def ttft_s(url: str, model: str, key: str, lanes: list[str] | None = None) -> float:
+    """Time to the first streamed token of a short interactive request (its lane and degrade reasons are appended
+    to `lanes`)."""
+    started = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", headers=bearer(key), timeout=120,
+                      json={"model": model, "prompt": "a short question", "max_tokens": 4, "stream": True}) as answer:
+        assert answer.status_code == 200, answer.read()
+        if lanes is not None:
+            lanes.append(f"{answer.headers['x-llm-lanes-lane']}:{answer.headers.get('x-llm-lanes-degraded', '')}")
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and '"text": ""' not in line:
+                return time.monotonic() - started
+    raise AssertionError("no token came")
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+# Tenant A's flood: more short requests at once than the hot slots of both Routers (2 x 14), so a line of A's requests
+# waits in each Router.
+FLOOD_CONCURRENCY = 40
+FLOOD_MAX_TOKENS = 16
+
+
+def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, served_model):
+    """Tenant A floods the hot lane past its slots (requests wait in the Routers); tenant B's interactive TTFT p50
+    stays within 2x of B's alone, as B's waiting requests take their turn ahead of A's backlog."""
+    alone = [ttft_s(url, served_model, KEY_B) for _ in range(10)]
+    stop = time.monotonic() + 600
+    flood_answers: list[int] = []
+
+    def flood_worker(_):
+        while time.monotonic() < stop:
+            answer = complete(url, served_model, KEY_A, max_tokens=FLOOD_MAX_TOKENS, prompt="tell me a story " * 8)
+            flood_answers.append(answer.status_code)
+
+    with ThreadPoolExecutor(max_workers=FLOOD_CONCURRENCY) as pool:
+        workers = [pool.submit(flood_worker, i) for i in range(FLOOD_CONCURRENCY)]
+        time.sleep(5)  # the flood fills the slots and the Routers' lines
+        # Where requests wait during the flood (one Router's view, and the hot engine's).
+        stats = httpx.get(f"{url}/v1/admin/stats", headers=bearer(KEY_ADMIN), timeout=60).json()
+        hot_engine = stats["lanes"]["hot"][0]
+        print("during A's flood: one Router's hot slots", stats["router"].get("hot_slots"), "; hot engine running",
+              hot_engine.get("running"), "waiting", hot_engine.get("waiting"))
+        lanes: list[str] = []
+        during = [ttft_s(url, served_model, KEY_B, lanes) for _ in range(10)]
+        stop = 0
+        for worker in workers:
+            worker.result()
+    print(f"tenant B's interactive TTFT p50: alone {median(alone) * 1000:.0f} ms, during A's flood "
+          f"{median(during) * 1000:.0f} ms ({len(flood_answers)} flood requests, statuses "
+          f"{sorted(set(flood_answers))}); B's lanes {sorted(set(lanes))}, each {[round(t * 1000) for t in during]} ms")
+    assert median(during) <= 2 * median(alone)
+
+
+def test_a_small_batch_of_one_tenant_finishes_before_a_large_one_of_another(url, served_model):
+    client_a = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    client_b = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0, timeout=120)
+
+    def submit(client, count, tag):
+        file = client.files.create(file=(f"{tag}.jsonl", io.BytesIO(batch_content(served_model, count, tag))),
+                                   purpose="batch")
+        return client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+
+    large = submit(client_a, 400, "large")
+    time.sleep(1)  # A's lines are already running when B's batch comes
+    small = submit(client_b, 10, "small")
+    small = wait_for_batch(client_b, small.id)
+    large_now = client_a.batches.retrieve(large.id)
+    print(f"B's 10 lines done when A's batch had {large_now.request_counts.completed} of 400 done")
+    assert small.status == "completed" and large_now.status != "completed"
+    assert wait_for_batch(client_a, large.id).status == "completed"

@@ -1,0 +1,101 @@
+"""Fair share between tenants inside a class: the Router's waiters for a hot slot take turns by tenant, and one
+tenant may fill only its share of a class's queue bound when the app has several."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.classes import RequestClass
+from app.lanes.admission import Decision
+from app.router.admission import BackPressure
+from app.router.hot_slots import LaneSlots
+from tests.fakes import FakeClock
+
+IA = RequestClass.INTERACTIVE
+
+
+def test_a_freed_slot_goes_to_the_tenants_in_turn_not_to_the_flood_in_arrival_order():
+    async def run():
+        slots = LaneSlots(limit=1)
+        held = slots.take()
+        order = []
+
+        async def request(tenant, name):
+            token = await slots.acquire(tenant)
+            order.append(name)
+            await asyncio.sleep(0)
+            slots.release(token)
+
+        tasks = [asyncio.create_task(request("a", f"a{i}")) for i in range(6)]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(request("b", f"b{i}")) for i in range(2)]
+        await asyncio.sleep(0.01)
+        assert slots.stats()["waiting_by_tenant"] == {"a": 6, "b": 2}
+        slots.release(held)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(run())
+    # B's two requests, queued behind A's six, are served after at most one of A's each.
+    assert order.index("b0") <= 1 and order.index("b1") <= 3, order
+    assert [name for name in order if name[0] == "a"] == [f"a{i}" for i in range(6)]  # FIFO within a tenant
+
+
+def test_one_tenant_is_plain_first_come_first_served():
+    async def run():
+        slots = LaneSlots(limit=1)
+        held = slots.take()
+        order = []
+
+        async def request(i):
+            token = await slots.acquire()
+            order.append(i)
+            slots.release(token)
+
+        tasks = [asyncio.create_task(request(i)) for i in range(5)]
+        await asyncio.sleep(0.01)
+        slots.release(held)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run()) == list(range(5))
+
+
+def test_a_tenant_fills_at_most_its_share_of_a_queue_bound_and_the_others_still_get_in():
+    queues = BackPressure({IA: 8})
+    queues.share_between_tenants(0.75)
+    admitted = [queues.try_enqueue(IA, lambda: 1, "a").decision for _ in range(8)]
+    assert admitted.count(Decision.ADMIT) == 6  # 75 % of 8
+    assert [queues.try_enqueue(IA, lambda: 1, "b").decision for _ in range(3)] == [Decision.ADMIT] * 2 + [
+        Decision.REJECT]  # the bound itself still holds
+    queues.dequeue(IA, "a")
+    assert queues.try_enqueue(IA, lambda: 1, "a").decision is Decision.ADMIT
+    assert queues.queued(IA) == 8
+
+
+def test_without_several_tenants_the_whole_bound_is_one_tenants():
+    queues = BackPressure({IA: 4})
+    assert [queues.try_enqueue(IA, lambda: 1).decision for _ in range(5)].count(Decision.ADMIT) == 4
+
+
+def test_the_predicted_wait_is_a_tenants_turn_not_the_whole_line():
+    async def run():
+        clock = FakeClock()
+        slots = LaneSlots(limit=2, clock=clock)
+        held = [slots.take(), slots.take()]
+        clock.advance(1.0)
+        slots.release(held.pop())  # one hold time on record
+        held.append(slots.take())
+        waiters = [asyncio.create_task(slots.acquire("a")) for _ in range(10)]
+        await asyncio.sleep(0.01)
+        flood, other = slots.predicted_wait_s(tenant="a"), slots.predicted_wait_s(tenant="b")
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        return flood, other, slots
+
+    flood, other, slots = asyncio.run(run())
+    hold = slots.hold_time_s()  # the clock stood still since
+    assert flood == pytest.approx((10 + 1) * hold / 2) and other == pytest.approx((1 + 1) * hold / 2)
