@@ -52,6 +52,19 @@ class ModelConfig(StrictModel):
     load_format: str | None = Field(
         None, description='vLLM load format; "dummy" runs a real model shape with random weights (benchmarks).'
     )
+    # How the OpenAI surface renders and parses for this model: vLLM's own options of the same names.
+    chat_template: str | None = Field(None, description="Chat template (a file path or the template itself) "
+                                                         "instead of the tokenizer's.")
+    tool_call_parser: str | None = Field(None, description='vLLM tool-call parser (e.g. "hermes"): needed for '
+                                                            'tool_choice "auto" and "required" with tool calls parsed.')
+    enable_auto_tool_choice: bool = Field(False, description='Honour tool_choice "auto" (needs tool_call_parser).')
+    reasoning_parser: str | None = Field(None, description="vLLM reasoning parser: the answer's reasoning_content.")
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self):
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("model.enable_auto_tool_choice needs model.tool_call_parser (e.g. hermes)")
+        return self
 
     @property
     def tokenizer_source(self) -> str:
@@ -283,6 +296,9 @@ class RouterConfig(StrictModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     # Default completion length when the client sends no max_tokens.
     default_max_tokens: int = Field(256, ge=1)
+    # Bounds on the work a request may cause before it is refused (413 / 400), checked before tokenization.
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413).")
+    max_messages: int = Field(10_000, ge=1, description="Most chat messages in one request (400).")
 
 
 class PrefixCacheConfig(StrictModel):

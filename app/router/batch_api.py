@@ -58,13 +58,10 @@ async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> di
 
 async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
     endpoint = ENDPOINTS_BY_PATH[line.url]
+    body = {**line.body, "service_tier": "flex"} if isinstance(line.body, dict) else line.body
     try:
-        body = endpoint.validate({**line.body, "stream": False, "service_tier": "flex"})
-        call = await pipeline.start(endpoint, body)
-        return {"status_code": 200, "body": await pipeline.collect(call), "request_id": call.context.request_id}
-    except ValidationError as error:
-        converted = api.validation_error(error.errors())
-        return {"status_code": converted.status, "body": converted.body()}
+        answer = await pipeline.answer(endpoint, body, stream=False)
+        return {"status_code": 200, "body": answer.response, "request_id": answer.calls[0].context.request_id}
     except api.OpenAIError as error:
         return {"status_code": error.status, "body": error.body()}
 

@@ -48,6 +48,8 @@ class RequestContext:
     route: RouteDecision | None = None
     lane: Lane | None = None
     reasons: list[str] = field(default_factory=list)
+    # Why a decode handoff cannot carry this request's answer (n > 1, logprobs...): None when it can.
+    handoff_blocker: str | None = None
 
     @property
     def request_id(self) -> str:
