@@ -45,6 +45,21 @@ class SqlBatchStore(SqlLineStore):
             raise NotFoundError(f"No such file: {file_id}")
         return bytes(row[0])
 
+    def list_files(self, purpose: str | None = None, limit: int = 10_000) -> list[FileRecord]:
+        where, params = ("WHERE purpose = ? ", (purpose,)) if purpose is not None else ("", ())
+        with self._lock:
+            rows = self._execute(
+                f"SELECT id, purpose, filename, bytes, created_at FROM llm_lanes_files {where}"
+                "ORDER BY created_at DESC, id DESC LIMIT ?", (*params, max(1, int(limit)))
+            ).fetchall()
+        return [FileRecord(r[0], r[1], r[2], int(r[3]), int(r[4])) for r in rows]
+
+    def delete_file(self, file_id: str) -> None:
+        with self._lock, self._write_transaction():
+            deleted = self._execute("DELETE FROM llm_lanes_files WHERE id = ?", (file_id,)).rowcount
+        if not deleted:
+            raise NotFoundError(f"No such file: {file_id}")
+
     # --- batches -------------------------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None = None) -> BatchRecord:

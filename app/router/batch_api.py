@@ -84,6 +84,15 @@ class BatchApi:
     async def get_file(self, file_id: str) -> dict[str, Any]:
         return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id))
 
+    async def list_files(self, purpose: str | None = None,
+                         limit: int = Query(10_000, ge=1, le=10_000)) -> dict[str, Any]:
+        records = await asyncio.to_thread(self.batch_store.list_files, purpose, limit)
+        return {"object": "list", "data": [batch_shapes.file_object(record) for record in records]}
+
+    async def delete_file(self, file_id: str) -> dict[str, Any]:
+        await asyncio.to_thread(self.batch_store.delete_file, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
     async def get_file_content(self, file_id: str) -> Response:
         content = await asyncio.to_thread(self.batch_store.file_content, file_id)
         return Response(content, media_type="application/jsonl")
@@ -132,7 +141,9 @@ class BatchApi:
 
 BATCH_ROUTES = {
     "upload_file": lambda app: app.post("/v1/files"),
+    "list_files": lambda app: app.get("/v1/files"),
     "get_file": lambda app: app.get("/v1/files/{file_id}"),
+    "delete_file": lambda app: app.delete("/v1/files/{file_id}"),
     "get_file_content": lambda app: app.get("/v1/files/{file_id}/content"),
     "create_batch": lambda app: app.post("/v1/batches"),
     "get_batch": lambda app: app.get("/v1/batches/{batch_id}"),

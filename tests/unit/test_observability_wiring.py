@@ -203,6 +203,28 @@ async def test_grpc_invalid_sampling_is_invalid_argument(tmp_path):
     assert "temperature" in context.details()
 
 
+async def test_grpc_carries_every_openai_field_and_returns_the_whole_answer(tmp_path):
+    from google.protobuf import json_format, struct_pb2
+
+    router = make_router(tmp_path)
+    fields = struct_pb2.Struct()
+    fields.update({"logprobs": 1, "presence_penalty": 0.5, "frequency_penalty": 0.25, "max_tokens": 99})
+    reply = await router.Complete(completion(openai_fields=fields), grpc_context=grpc_context())
+    sent, = router.lanes["hot"].requests
+    params = sent.engine_params
+    assert (params.logprobs, params.presence_penalty, params.frequency_penalty) == (1, 0.5, 0.25)
+    assert params.max_tokens == 6, "the typed field wins"
+    whole = json_format.MessageToDict(reply.openai)
+    assert whole["choices"][0]["logprobs"]["token_logprobs"] == [-1.0] * 6
+    assert whole["choices"][0]["text"] == reply.text == "abcdef"
+
+    fields = struct_pb2.Struct()
+    fields.update({"response_format": -1})
+    context = grpc_context()
+    await router.Complete(completion(openai_fields=fields), grpc_context=context)
+    assert context.code() is grpc.StatusCode.INVALID_ARGUMENT and "response_format" in context.details()
+
+
 async def test_grpc_rejection_is_resource_exhausted_with_retry_after(tmp_path):
     router = make_router(tmp_path, admission={"interactive_queue_bound": 0})
     context = grpc_context()
