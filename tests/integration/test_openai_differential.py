@@ -10,7 +10,8 @@ equal), top logprobs, tool calls (name and arguments), and usage (prompt, comple
 Documented differences, not compared: ids, `created`, `system_fingerprint`, tool-call ids (random on both sides),
 the app's `x-llm-lanes-*` headers, `usage.prompt_tokens_details` (the prefix cache of each engine has seen different
 requests), how a stream is cut into chunks (the text, logprobs and tool calls they add up to are compared), and
-error messages (status and parameter are compared). Every request sets max_tokens: without it the app answers at
+error messages (status and parameter are compared; vLLM's server names a field FastAPI refused as "body.<field>",
+the app as "<field>"). Every request sets max_tokens: without it the app answers at
 most `router.default_max_tokens` tokens where vLLM's server fills the context.
 """
 
@@ -346,13 +347,16 @@ def validate_person(value) -> None:
 
 
 def test_what_vllms_server_refuses_the_app_refuses_alike(app_url, vllm_server, served_model):
+    mismatches = []
     for path, body in BAD_REQUESTS:
         path, body = expanded(path, body, served_model)
-        what = f"{path} {json.dumps(body)[:200]}"
         ours = httpx.post(f"{app_url}{path}", json=body, timeout=60)
         theirs = httpx.post(f"{vllm_server}{path}", json=body, timeout=60)
-        assert ours.status_code == theirs.status_code, f"{what}\nours: {ours.text}\nvLLM: {theirs.text}"
-        assert 400 <= ours.status_code < 500, what
         error, reference = ours.json()["error"], theirs.json()["error"]
-        assert error["param"] == reference.get("param"), f"{what}\nours: {error}\nvLLM: {reference}"
         assert set(error) >= {"message", "type", "param", "code"}
+        # vLLM's server names a field FastAPI refused by its place in the request ("body.seed"); the app by its name.
+        reference_param = (reference.get("param") or "").removeprefix("body.") or None
+        if (ours.status_code, error["param"]) != (theirs.status_code, reference_param) or ours.status_code >= 500:
+            mismatches.append(f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {error}\n"
+                              f"  vLLM {theirs.status_code}: {reference}")
+    assert not mismatches, "\n".join(mismatches)

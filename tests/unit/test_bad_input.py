@@ -258,3 +258,28 @@ async def test_the_engine_adapter_raises_lane_request_invalid_only_before_the_fi
     bad = LaneRequest("r", [1, 2], SamplingOptions(max_tokens=4, stop=("",)), RequestClass.INTERACTIVE, 10)
     with pytest.raises(LaneRequestInvalid, match="empty string"):
         [chunk async for chunk in engine.generate(bad)]
+
+
+# ---- bounded work on bad input ------------------------------------------------------------------------------------
+
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing_it(router):
+    import time
+
+    started = time.perf_counter()
+    error = refusal(router, COMPLETION, completion(prompt="word " * 2_000_000))  # 10 MB
+    assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
+    assert time.perf_counter() - started < 2.0, "refused from its length, not after tokenizing 10 MB"
+    messages = [{"role": "user", "content": "word " * 200_000}] * 10
+    assert refusal(router, CHAT, {"model": "tiny", "messages": messages}).code == "context_length_exceeded"
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_parsed(tmp_path):
+    app = make_http_app()
+    router = make_router(tmp_path, router={"max_body_bytes": 4096})
+    HTTP_ROUTES["completions"](app)(router.completions)
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}',
+                               headers={"content-type": "application/json"})
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        small = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert small.status_code == 200
