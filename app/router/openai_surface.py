@@ -287,11 +287,17 @@ class OpenAISurface:
             raise api.OpenAIError(400, f"{bad}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
                                   param=bad, code="invalid_value")
         try:
-            return self.request_model(endpoint).model_validate(body)
+            request = self.request_model(endpoint).model_validate(body)
         except ValidationError as error:
             raise _validation_error(error) from None
         except Exception as error:  # vLLM's own checks (VLLMValidationError and the like) outside pydantic's
             raise _error_from_exception(error) from None
+        if getattr(request, "priority", 0):
+            # The request class sets the engine priority here (realtime, interactive, batch; spills adjust it).
+            raise api.OpenAIError(400, "priority: the engine priority follows the request class here: ask for a "
+                                       "class with service_tier or the X-Request-Class header",
+                                  param="priority", code="unsupported_parameter")
+        return request
 
     def check_bounds(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
         """Refuse, before any tokenization, what is certainly over the limits: too many messages, or a prompt

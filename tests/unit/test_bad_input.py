@@ -68,6 +68,7 @@ def refusal(router, endpoint, body) -> api.OpenAIError:
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (COMPLETION, completion(prompt="x" * 100_000), "prompt"),
     (COMPLETION, completion(service_tier="gold"), "service_tier"),
+    (CHAT, chat(priority=5), "priority"),
 ])
 def test_what_vllms_server_refuses_is_a_400_naming_its_parameter(router, endpoint, fields, param):
     error = refusal(router, endpoint, fields)
