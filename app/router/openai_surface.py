@@ -20,17 +20,22 @@ server would use the whole context), and the `x-llm-lanes-*` headers. A request 
 cannot carry (more than one choice, logprobs, echo's prompt logprobs, structured output, penalties or a seed: the
 continuation is a new engine request) skips the handoff, and `x-llm-lanes-degraded` says so (`handoff_skipped`).
 
-vLLM versions. Written against vLLM 0.32 (the CPU build here). The GPU payload runs 0.26, where (from its release
-notes) the serving classes lived under `vllm.entrypoints.openai.serving_chat` / `serving_completion` /
-`serving_models` and the protocol models in `vllm.entrypoints.openai.protocol`, and there was no `OnlineRenderer`
-(serving classes rendered prompts themselves from the engine client's tokenizer). `_import_vllm()` takes the 0.32
-names first and the 0.26 ones after; `_build_serving()` is where the constructors differ. Only 0.32 is tested here.
+vLLM versions. Written against vLLM 0.32 (the CPU build here); the GPU payload runs 0.26, whose wheel has the same
+layout for the protocol models, serving classes and renderers (`vllm.entrypoints.openai.chat_completion` /
+`completion` / `models`, `vllm.renderers.OnlineRenderer`). Where they differ (read from the 0.26 wheel, not run):
+`load_chat_template` is in `vllm.entrypoints.chat_utils` (0.32: `vllm.renderers.chat_utils`); `ErrorResponse` in
+`vllm.entrypoints.openai.engine.protocol` (0.32: `vllm.entrypoints.serve.engine.protocol`); `create_error_response`
+in `vllm.entrypoints.serve.utils.error_response` (0.32: `...serve.exception_handling.error_response`); 0.26 has no
+`clean_loc_for_param` (the parameter is then the field path without "body"); and OnlineRenderer and
+OpenAIServingChat lack 0.32's `tool_strict_level` and `trust_request_mm_kwargs`, so constructor arguments go
+through `_accepted()`. Only 0.32 is tested here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -77,19 +82,44 @@ _SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("llm_lanes_opena
 
 
 def _import_vllm():
-    """vLLM's protocol and serving names (0.32 layout; 0.26's module paths as the fallback)."""
+    """vLLM's protocol and serving names (the same modules in 0.26 and 0.32)."""
     import vllm.sampling_params as sampling
-    try:
-        from vllm.entrypoints.openai.chat_completion import protocol as chat_protocol
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion import protocol as completion_protocol
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-    except ImportError:  # vLLM 0.26
-        from vllm.entrypoints.openai import protocol as chat_protocol
-        from vllm.entrypoints.openai import protocol as completion_protocol
-        from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-        from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from vllm.entrypoints.openai.chat_completion import protocol as chat_protocol
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion import protocol as completion_protocol
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
     return sampling, chat_protocol, completion_protocol, OpenAIServingChat, OpenAIServingCompletion
+
+
+def _error_response_type():
+    try:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+    return ErrorResponse
+
+
+def _create_error_response(error: Exception):
+    try:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.serve.utils.error_response import create_error_response
+    return create_error_response(error)
+
+
+def _load_chat_template(template: str | None):
+    try:
+        from vllm.renderers.chat_utils import load_chat_template
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.chat_utils import load_chat_template
+    return load_chat_template(template)
+
+
+def _accepted(constructor, **kwargs) -> dict[str, Any]:
+    """The keyword arguments `constructor` takes (vLLM's constructors gain options between versions)."""
+    parameters = inspect.signature(constructor).parameters
+    return {name: value for name, value in kwargs.items() if name in parameters}
 
 
 def handoff_blocker(params) -> str | None:
@@ -203,11 +233,7 @@ def _error_from_response(error_response) -> api.OpenAIError:
 
 def _error_from_exception(error: Exception) -> api.OpenAIError:
     """What vLLM's server answers for an exception its serving code raises (its exception handlers' mapping)."""
-    try:
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    except ImportError:  # vLLM 0.26: its serving classes return ErrorResponse objects instead of raising
-        return api.OpenAIError(400, str(error))
-    return _error_from_response(create_error_response(error))
+    return _error_from_response(_create_error_response(error))
 
 
 class OpenAISurface:
@@ -235,7 +261,6 @@ class OpenAISurface:
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
         from vllm.renderers import renderer_from_config
-        from vllm.renderers.chat_utils import load_chat_template
         from vllm.renderers.online_renderer import OnlineRenderer
 
         cfg, model = self.cfg, self.cfg.model
@@ -249,20 +274,22 @@ class OpenAISurface:
                                  structured_outputs_config=engine_args.create_structured_outputs_config())
         self.renderer = renderer_from_config(vllm_config)
         self.engine_client = _LaneEngineClient(vllm_config, self.renderer)
-        chat_template = load_chat_template(model.chat_template)
+        chat_template = _load_chat_template(model.chat_template)
         self.models = OpenAIServingModels(engine_client=self.engine_client,
                                           base_model_paths=[BaseModelPath(name=model.served_name,
                                                                           model_path=model.source)])
         common = dict(chat_template=chat_template, chat_template_content_format="auto",
                       enable_auto_tools=model.enable_auto_tool_choice, tool_parser=model.tool_call_parser,
                       reasoning_parser=model.reasoning_parser or "")
-        self.online_renderer = OnlineRenderer(model_config=model_config, renderer=self.renderer, request_logger=None,
-                                              trust_request_chat_template=False, trust_request_mm_kwargs=False,
-                                              exclude_tools_when_tool_choice_none=False, tool_strict_level="auto",
-                                              default_chat_template_kwargs=None, log_error_stack=False, **common)
-        self.online_renderer.warmup()
-        self.chat = serving_chat(self.engine_client, self.models, "assistant", online_renderer=self.online_renderer,
-                                 request_logger=None, enable_prompt_tokens_details=True, **common)
+        self.online_renderer = OnlineRenderer(model_config, self.renderer, **_accepted(
+            OnlineRenderer, request_logger=None, trust_request_chat_template=False, trust_request_mm_kwargs=False,
+            exclude_tools_when_tool_choice_none=False, tool_strict_level="auto", default_chat_template_kwargs=None,
+            log_error_stack=False, **common))
+        if hasattr(self.online_renderer, "warmup"):  # 0.32: loads the template and parsers now, not at a request
+            self.online_renderer.warmup()
+        self.chat = serving_chat(self.engine_client, self.models, "assistant", **_accepted(
+            serving_chat, online_renderer=self.online_renderer, request_logger=None,
+            enable_prompt_tokens_details=True, **common))
         self.completion = serving_completion(self.engine_client, self.models, online_renderer=self.online_renderer,
                                              request_logger=None, enable_prompt_tokens_details=True)
         self.tokenization = ServingTokenization(self.models, self.online_renderer, request_logger=None,
@@ -340,7 +367,7 @@ class OpenAISurface:
             _SCOPE.reset(token)
         if scope.error is not None:
             raise scope.error
-        if isinstance(result, self._error_response_type()):
+        if isinstance(result, _error_response_type()):
             raise _error_from_response(result)
         if hasattr(result, "model_dump"):
             return Answer(scope.calls, response=result.model_dump(mode="json", exclude_none=False))
@@ -354,12 +381,6 @@ class OpenAISurface:
             await scope.close()
             raise scope.error
         return Answer(scope.calls, events=_events(first, result, scope))
-
-    @staticmethod
-    def _error_response_type():
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        return ErrorResponse
 
     # ---- tokenize / detokenize -------------------------------------------------------------------------------------
 
@@ -388,7 +409,7 @@ class OpenAISurface:
             raise
         except Exception as error:
             raise _error_from_exception(error) from None
-        if isinstance(result, self._error_response_type()):
+        if isinstance(result, _error_response_type()):
             raise _error_from_response(result)
         return result.model_dump(mode="json")
 
@@ -422,8 +443,13 @@ def _text_chars(value: Any) -> int:
 
 def _validation_error(error: ValidationError) -> api.OpenAIError:
     """pydantic's errors on vLLM's request model -> one 400 naming the first parameter, as vLLM's server does."""
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
     from vllm.exceptions import VLLMValidationError
+
+    try:
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+    except ImportError:  # vLLM 0.26
+        def clean_loc_for_param(loc: tuple) -> str:
+            return ".".join(str(part) for part in loc if part != "body")
 
     errors = error.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
