@@ -227,8 +227,9 @@ def _error_from_response(error_response) -> api.OpenAIError:
     """vLLM's ErrorResponse -> our OpenAIError (same status, message and parameter)."""
     info = error_response.error
     status = int(info.code)
+    code = {400: "invalid_value", 404: "model_not_found"}.get(status)  # vLLM's code is the status itself
     return api.OpenAIError(status, info.message, type="invalid_request_error" if status < 500 else "server_error",
-                           param=info.param)
+                           param=info.param, code=code)
 
 
 def _error_from_exception(error: Exception) -> api.OpenAIError:
