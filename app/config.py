@@ -53,6 +53,19 @@ class ModelConfig(StrictModel):
     load_format: str | None = Field(
         None, description='vLLM load format; "dummy" runs a real model shape with random weights (benchmarks).'
     )
+    # How the OpenAI surface renders and parses for this model: vLLM's own options of the same names.
+    chat_template: str | None = Field(None, description="Chat template (a file path or the template itself) "
+                                                         "instead of the tokenizer's.")
+    tool_call_parser: str | None = Field(None, description='vLLM tool-call parser (e.g. "hermes"): needed for '
+                                                            'tool_choice "auto" and "required" with tool calls parsed.')
+    enable_auto_tool_choice: bool = Field(False, description='Honour tool_choice "auto" (needs tool_call_parser).')
+    reasoning_parser: str | None = Field(None, description="vLLM reasoning parser: the answer's reasoning_content.")
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self):
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("model.enable_auto_tool_choice needs model.tool_call_parser (e.g. hermes)")
+        return self
 
     @property
     def tokenizer_source(self) -> str:
@@ -294,6 +307,8 @@ class RouterConfig(StrictModel):
     # HTTP bodies and gRPC messages above this are refused (413, RESOURCE_EXHAUSTED) before they are parsed or
     # tokenized; file uploads and SubmitBatch are bounded by batch.max_file_bytes instead.
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # Most chat messages in one request (400), checked before the chat template is rendered.
+    max_messages: int = Field(10_000, ge=1)
 
 
 class PrefixCacheConfig(StrictModel):

@@ -1,10 +1,13 @@
-"""Fakes shared by the tests: a clock, and the fakes around the Router's real request path (lanes, tokenizer,
-metrics backend, and the surfaces built through their constructors). No Ray cluster, no vLLM engine."""
+"""Fakes shared by the tests: a clock, and the fakes around the Router's real request path (lanes, metrics backend,
+and the surfaces built through their constructors). No Ray cluster, no vLLM engine: the Router's OpenAI surface is
+vLLM's real serving code on the tiny model's tokenizer, and a fake lane answers as the engine adapter does (a vLLM
+RequestOutput in each chunk of a request that carries vLLM's SamplingParams)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import yaml
 
@@ -21,9 +24,11 @@ from app.router.deployment import admin_document
 from app.router.auth import KeyRing
 from app.router.grpc_api import GrpcApi
 from app.router.http_api import HttpApi
+from app.router.endpoints import Generation
 from app.router.pipeline import RequestPipeline
-from app.router.prompts import PromptTokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ROOT / "models" / "tiny-llama"
 
 
 class FakeClock:
@@ -45,7 +50,8 @@ class FakeClock:
 def cpu_args(**extra):
     """App args for a two-lane CPU app (the schema's defaults elsewhere), with `extra` top-level blocks."""
     lane = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32"}, "deployment": {}}
-    return {"device": "cpu", "model": {"source": "models/tiny-llama", "served_name": "tiny", "max_model_len": 2048},
+    return {"device": "cpu", "model": {"source": str(TINY_MODEL), "served_name": "tiny", "max_model_len": 2048,
+                                       "tool_call_parser": "hermes", "enable_auto_tool_choice": True},
             "hot_lane": yaml.safe_load(yaml.safe_dump(lane)), "cold_lane": yaml.safe_load(yaml.safe_dump(lane)),
             "auth": {"mode": "none"}, **extra}
 
@@ -74,15 +80,45 @@ class FakeMetricsModule:
         return [(value, tags) for metric, value, tags in self.samples if metric == name]
 
 
-class FakeTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [1 + ord(c) % 200 for c in text]
+def engine_output(request: LaneRequest, text: str, token_ids: list[int], finished: bool, finish_reason: str | None):
+    """What the engine adapter puts in a chunk: vLLM's RequestOutput, without the prompt."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False):
-        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+    logprobs = None
+    if request.engine_params.logprobs is not None:  # each token its own only candidate, at -1.0
+        logprobs = [{token_id: Logprob(logprob=-1.0, rank=1)} for token_id in token_ids]
+    completion = CompletionOutput(index=0, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=logprobs,
+                                  finish_reason=finish_reason if finished else None)
+    return RequestOutput(request.request_id, prompt=None, prompt_token_ids=None, prompt_logprobs=None,
+                         outputs=[completion], finished=finished, num_cached_tokens=0)
 
-    def __len__(self):
-        return 256
+
+def generation(prompt_tokens: int = 5, max_tokens: int = 2, stream: bool = False, request_id: str = "cmpl-test",
+               stop: tuple[str, ...] = (), handoff_blocker: str | None = None,
+               prompt_token_ids: list[int] | None = None) -> Generation:
+    """A prompt as the OpenAI surface hands it to the pipeline, without vLLM's SamplingParams."""
+    if prompt_token_ids is None:
+        prompt_token_ids = list(range(1, prompt_tokens + 1))
+    return Generation(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                      max_tokens=max_tokens, stop=stop, stream=stream, handoff_blocker=handoff_blocker)
+
+
+_SURFACES: dict[str, object] = {}
+
+
+def openai_surface(cfg):
+    """vLLM's serving code for the tiny model (built once per model settings: it loads the tokenizer)."""
+    from app.router.openai_surface import OpenAISurface
+
+    if not (TINY_MODEL / "llm_lanes_tiny.json").exists():
+        from app.tools.make_tiny_model import make_tiny_model
+
+        make_tiny_model(TINY_MODEL)
+    key = cfg.model.model_dump_json() + str(cfg.router.default_max_tokens)
+    if key not in _SURFACES:
+        _SURFACES[key] = OpenAISurface(cfg)
+    return _SURFACES[key]
 
 
 class FakeStream:
@@ -115,15 +151,25 @@ class FakeLane:
 
     def remote(self, request: LaneRequest) -> FakeStream:
         self.requests.append(request)
-        prompt = len(request.prompt_token_ids)
-        texts = ["ab", "cd", "ef"] if request.stream else ["abcdef"]
-        chunks = []
-        for i, text in enumerate(texts):
-            done = i == len(texts) - 1
-            tokens = 6 if done else 2 * (i + 1)
-            chunks.append(LaneChunk(text=text, completion_tokens=tokens, prompt_tokens=prompt,
-                                    finish_reason="length" if done else None, lane=self.name))
-        return FakeStream(chunks, self.delay_s)
+        return FakeStream(lane_chunks(request, self.name), self.delay_s)
+
+
+def lane_chunks(request: LaneRequest, lane: str, texts: list[str] | None = None,
+                finish_reason: str = "length") -> list[LaneChunk]:
+    """Three chunks of 2 tokens each (one chunk when not streamed), as the engine adapter sends them."""
+    prompt = len(request.prompt_token_ids)
+    texts = texts or (["ab", "cd", "ef"] if request.stream else ["abcdef"])
+    chunks, sent = [], 0
+    for i, text in enumerate(texts):
+        done = i == len(texts) - 1
+        tokens = 6 if done else 2 * (i + 1)
+        ids = list(range(10 + sent, 10 + tokens))
+        sent = tokens
+        output = (engine_output(request, text, ids, done, finish_reason)
+                  if request.engine_params is not None else None)
+        chunks.append(LaneChunk(text=text, completion_tokens=tokens, prompt_tokens=prompt,
+                                finish_reason=finish_reason if done else None, lane=lane, output=output))
+    return chunks
 
 
 class FakeLanes:
@@ -169,7 +215,7 @@ def make_pipeline(lanes: dict[str, FakeLane] | None = None, tracing_exporter: st
     lanes = lanes or {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
     backend = FakeMetricsModule()
     control = TrafficControl(cfg, **({"clock": clock} if clock else {}))
-    pipeline = RequestPipeline(cfg, PromptTokenizer(FakeTokenizer()), control, FakeLanes(lanes),
+    pipeline = RequestPipeline(cfg, openai_surface(cfg), control, FakeLanes(lanes),
                                LlmLanesMetrics(metrics_module=backend),
                                tr.setup_tracing({"exporter": tracing_exporter or "none"},
                                                 component="Router"))

@@ -53,6 +53,25 @@ class SqlBatchStore(SqlLineStore):
             raise NotFoundError(f"No such file: {file_id}")
         return bytes(row[0])
 
+    def list_files(self, purpose: str | None = None, limit: int = 10_000,
+                   tenant: str | None = None) -> list[FileRecord]:
+        where, params = tenant_clause(tenant)
+        if purpose is not None:
+            where, params = where + " AND purpose = ?", (*params, purpose)
+        with self._lock:
+            rows = self._execute(
+                f"SELECT id, purpose, filename, bytes, created_at FROM llm_lanes_files WHERE 1 = 1{where} "
+                "ORDER BY created_at DESC, id DESC LIMIT ?", (*params, max(1, int(limit)))
+            ).fetchall()
+        return [FileRecord(r[0], r[1], r[2], int(r[3]), int(r[4])) for r in rows]
+
+    def delete_file(self, file_id: str, tenant: str | None = None) -> None:
+        where, params = tenant_clause(tenant)
+        with self._lock, self._write_transaction():
+            deleted = self._execute(f"DELETE FROM llm_lanes_files WHERE id = ?{where}", (file_id, *params)).rowcount
+        if not deleted:
+            raise NotFoundError(f"No such file: {file_id}")
+
     # --- batches -------------------------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None = None, tenant: str = DEFAULT_TENANT) -> BatchRecord:

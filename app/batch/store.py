@@ -162,6 +162,15 @@ class BatchStore(abc.ABC):
     @abc.abstractmethod
     def file_content(self, file_id: str, tenant: str | None = None) -> bytes: ...
 
+    @abc.abstractmethod
+    def list_files(self, purpose: str | None = None, limit: int = 10_000,
+                   tenant: str | None = None) -> list[FileRecord]:
+        """Newest first (OpenAI's order), of one purpose if given."""
+
+    @abc.abstractmethod
+    def delete_file(self, file_id: str, tenant: str | None = None) -> None:
+        """Remove a file (NotFoundError if there is none); batches that name it keep their own lines."""
+
     # Batches
     @abc.abstractmethod
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,

@@ -224,27 +224,42 @@ class VllmEngine:
                          replica_id=self.replica_id, lane=self.lane)
         produced = False
         try:
-            params = SamplingParams(
-                max_tokens=options.max_tokens,
-                temperature=options.temperature,
-                top_p=options.top_p,
-                stop=list(options.stop) or None,
-                seed=options.seed,
-                ignore_eos=options.ignore_eos,
-                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
-            )
+            if request.engine_params is not None:
+                # The OpenAI surface's conversion of the client's body; routing may have clipped max_tokens.
+                params = request.engine_params.clone()
+                params.max_tokens = options.max_tokens
+            else:
+                params = SamplingParams(
+                    max_tokens=options.max_tokens,
+                    temperature=options.temperature,
+                    top_p=options.top_p,
+                    stop=list(options.stop) or None,
+                    seed=options.seed,
+                    ignore_eos=options.ignore_eos,
+                    output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+                )
+            with_output = request.engine_params is not None
             # AsyncLLM aborts the engine request itself when this generator is cancelled or closed (client gone).
-            async for output in self._engine.generate(prompt, params, request.request_id, priority=request.priority):
+            async for output in self._engine.generate(prompt, params, request.request_id, priority=request.priority,
+                                                      **request.engine_kwargs):
                 produced = True
-                completion = output.outputs[0]
-                completion_tokens += len(completion.token_ids)
+                token_ids = [t for completion in output.outputs for t in completion.token_ids]
+                completion_tokens += len(token_ids)
+                finish_reason = None
+                if output.finished:
+                    finish_reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+                if with_output:
+                    # The Router knows the prompt: no copy of it in every chunk across Ray.
+                    output.prompt_token_ids = None
+                    output.metrics = None
                 yield replace(
                     base,
-                    text=completion.text,
+                    text="".join(completion.text for completion in output.outputs),
                     completion_tokens=completion_tokens,
                     cached_prompt_tokens=output.num_cached_tokens or 0,
-                    token_ids=tuple(completion.token_ids) if request.return_token_ids else (),
-                    finish_reason=completion.finish_reason if output.finished else None,
+                    token_ids=tuple(token_ids) if request.return_token_ids else (),
+                    finish_reason=finish_reason,
+                    output=output if with_output else None,
                 )
         except Exception as error:
             # Only a refusal before the first output is the request's fault; anything later is the engine's.

@@ -1,8 +1,14 @@
-"""What travels between the Router and a lane replica. Plain dataclasses: no vLLM, no Ray."""
+"""What travels between the Router and a lane replica. Plain dataclasses: no vLLM, no Ray.
+
+The OpenAI surface's requests also carry vLLM's own SamplingParams (`LaneRequest.engine_params`) and get vLLM's
+RequestOutputs back (`LaneChunk.output`): both opaque here, made and read only by the two vLLM adapters
+(app/router/openai_surface.py and app/lanes/engine.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.classes import RequestClass
 
@@ -34,6 +40,11 @@ class LaneRequest:
     trace_carrier: dict[str, str] = field(default_factory=dict)
     # True: each chunk carries the ids of the tokens it adds, so the Router can hand the answer to another lane.
     return_token_ids: bool = False
+    # vLLM's SamplingParams for this request (the OpenAI surface's conversion of the client's body); its max_tokens
+    # is replaced by `sampling.max_tokens`, which routing decisions may clip. None: `sampling` says it all.
+    engine_params: Any = None
+    # Further keyword arguments of the engine's generate() (a reasoning parser's state).
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class LaneSaturated(Exception):
@@ -78,6 +89,8 @@ class LaneChunk:
     lane: str = ""
     # The ids of the tokens this chunk adds (only when the request asked for them: LaneRequest.return_token_ids).
     token_ids: tuple[int, ...] = ()
+    # The engine's own RequestOutput (without its prompt), for requests that carry engine_params.
+    output: Any = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 
@@ -85,6 +85,8 @@ def _sampling_fields(sampling: pb.SamplingParams) -> dict[str, Any]:
 
 def _common_fields(request: pb.CompletionRequest | pb.ChatCompletionRequest, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {}
+    if request.HasField("openai_fields"):
+        body.update(json_format.MessageToDict(request.openai_fields))
     if request.model:
         body["model"] = request.model
     body.update(_sampling_fields(request.sampling))
@@ -138,6 +140,11 @@ def _attach_usage_and_serving(message, usage: Mapping[str, Any] | None, serving:
         message.serving.CopyFrom(serving)
 
 
+def _attach_openai(message, document: Mapping[str, Any]) -> None:
+    """The whole OpenAI JSON beside the typed fields (n choices, logprobs, tool calls)."""
+    json_format.ParseDict(dict(document), message.openai)
+
+
 def usage_from_openai(usage: Mapping[str, Any] | None) -> pb.Usage | None:
     if not usage:
         return None
@@ -174,6 +181,7 @@ def completion_response_from_openai(
         finish_reason=choice.get("finish_reason") or "",
     )
     _attach_usage_and_serving(message, response.get("usage"), serving)
+    _attach_openai(message, response)
     return message
 
 
@@ -191,6 +199,7 @@ def completion_chunk_from_openai(
         finish_reason=choice.get("finish_reason") or "",
     )
     _attach_usage_and_serving(message, chunk.get("usage"), serving)
+    _attach_openai(message, chunk)
     return message
 
 
@@ -207,6 +216,7 @@ def chat_response_from_openai(
         finish_reason=choice.get("finish_reason") or "",
     )
     _attach_usage_and_serving(message, response.get("usage"), serving)
+    _attach_openai(message, response)
     return message
 
 
@@ -225,6 +235,7 @@ def chat_chunk_from_openai(
         finish_reason=choice.get("finish_reason") or "",
     )
     _attach_usage_and_serving(message, chunk.get("usage"), serving)
+    _attach_openai(message, chunk)
     return message
 
 

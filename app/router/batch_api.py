@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
@@ -64,13 +64,10 @@ async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine)
     # The batch's tenant (its key's batch class was checked when the batch was created; no rate limit: batch work
     # waits, it is never refused).
     principal = dataclasses.replace(OPEN_PRINCIPAL, tenant=line.tenant, label="batch", admin=False)
+    body = {**line.body, "service_tier": "flex"} if isinstance(line.body, dict) else line.body
     try:
-        body = endpoint.validate({**line.body, "stream": False, "service_tier": "flex"})
-        call = await pipeline.start(endpoint, body, principal=principal)
-        return {"status_code": 200, "body": await pipeline.collect(call), "request_id": call.context.request_id}
-    except ValidationError as error:
-        converted = api.validation_error(error.errors())
-        return {"status_code": converted.status, "body": converted.body()}
+        answer = await pipeline.answer(endpoint, body, stream=False, principal=principal)
+        return {"status_code": 200, "body": answer.response, "request_id": answer.calls[0].context.request_id}
     except api.OpenAIError as error:
         return {"status_code": error.status, "body": error.body()}
 
@@ -97,6 +94,17 @@ class BatchApi:
     async def get_file(self, file_id: str, request: Request) -> dict[str, Any]:
         tenant = self.authenticate_http(request).tenant
         return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id, tenant))
+
+    async def list_files(self, request: Request, purpose: str | None = None,
+                         limit: int = Query(10_000, ge=1, le=10_000)) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
+        records = await asyncio.to_thread(self.batch_store.list_files, purpose, limit, tenant)
+        return {"object": "list", "data": [batch_shapes.file_object(record) for record in records]}
+
+    async def delete_file(self, file_id: str, request: Request) -> dict[str, Any]:
+        tenant = self.authenticate_http(request).tenant
+        await asyncio.to_thread(self.batch_store.delete_file, file_id, tenant)
+        return {"id": file_id, "object": "file", "deleted": True}
 
     async def get_file_content(self, file_id: str, request: Request) -> Response:
         tenant = self.authenticate_http(request).tenant
@@ -156,7 +164,9 @@ class BatchApi:
 
 BATCH_ROUTES = {
     "upload_file": lambda app: app.post("/v1/files"),
+    "list_files": lambda app: app.get("/v1/files"),
     "get_file": lambda app: app.get("/v1/files/{file_id}"),
+    "delete_file": lambda app: app.delete("/v1/files/{file_id}"),
     "get_file_content": lambda app: app.get("/v1/files/{file_id}/content"),
     "create_batch": lambda app: app.post("/v1/batches"),
     "get_batch": lambda app: app.get("/v1/batches/{batch_id}"),

@@ -26,7 +26,7 @@ from app.router.body_limit import set_limits as set_body_limits
 from app.router.grpc_api import GrpcApi
 from app.router.http_api import HTTP_ROUTES, HttpApi, make_http_app
 from app.router.pipeline import RequestPipeline
-from app.router.prompts import PromptTokenizer
+from app.router.openai_surface import OpenAISurface
 from app.router.rate_limits import RateLimiter
 from app.router.replica_counts import LANE_DEPLOYMENTS, ROUTER_DEPLOYMENT, running_replicas
 
@@ -120,7 +120,6 @@ class ServeLaneClients:
 
 class RouterReplica(HttpApi, BatchApi, GrpcApi):
     async def __init__(self, app_args: dict[str, Any], hot_lane, cold_lane, prefix_cache):
-        from transformers import AutoTokenizer
 
         from app.batch.dispatcher import BatchDispatcher
         from app.batch.open_store import open_batch_store
@@ -146,11 +145,12 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # The lanes' request routers run in this process (they route this Router's handle calls): their decision
         # times become the llm_lanes_replica_routing_seconds histogram.
         add_decision_observer(self._observe_replica_routing)
-        tokenizer = PromptTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer_source))
+        # vLLM's OpenAI serving code for this model (its renderer loads the tokenizer and chat template).
+        surface = await asyncio.to_thread(OpenAISurface, cfg)
         # The keys' rate-limit buckets live in the PrefixCache, shared by every Router replica.
         self.rate_limits = (RateLimiter(lambda orders: prefix_cache.rate_limit_exchange.remote(list(orders)))
                             if self.keyring.has_rate_limits else None)
-        self.pipeline = RequestPipeline(cfg, tokenizer, self.control, ServeLaneClients(handles), self.metrics,
+        self.pipeline = RequestPipeline(cfg, surface, self.control, ServeLaneClients(handles), self.metrics,
                                         self.tracing, rate_limits=self.rate_limits)
         batch = cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from pydantic import ValidationError
 
 from app.batch.store import BatchStoreError
 from app.observability.tracing import carrier_from_grpc_metadata
@@ -28,8 +27,8 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.router import openai_api as api
 from app.router.auth import Principal, require_admin
 from app.router.batch_api import openai_error_from_store
-from app.router.endpoints import CHAT, COMPLETION, Endpoint
-from app.router.lane_call import LaneCall
+from app.router.endpoints import CHAT, COMPLETION, Answer, Endpoint
+from app.router.openai_surface import sse_json
 from app.router.pipeline import RequestPipeline
 
 # grpc.health.v1 Watch: how often the serving status is re-checked for a change.
@@ -188,20 +187,23 @@ class GrpcApi:
 
     # ---- generation -----------------------------------------------------------------------------------------------
 
-    def _body(self, endpoint: Endpoint, request, stream: bool) -> tuple[Any, str | None]:
-        """A proto request -> (the validated OpenAI body model, the class its enum asks for). Raises OpenAIError.
-        `model` is required as on HTTP: an empty one names no model (404, as HTTP answers `"model": ""`)."""
+    def _body(self, endpoint: Endpoint, request, stream: bool) -> tuple[dict[str, Any], str | None]:
+        """A proto request -> (the OpenAI JSON body, the class its enum asks for). Raises OpenAIError. `model` is
+        required as on HTTP: an empty one names no model (404, as HTTP answers `"model": ""`)."""
         try:
             converted = PROTO_SHAPES[endpoint.name].to_openai(request, stream=stream)
         except convert.InvalidProtoRequest as error:
             raise api.OpenAIError(400, str(error), param=error.param) from None
-        try:
-            body = endpoint.validate({"model": request.model, **converted.body})
-        except ValidationError as error:
-            raise api.validation_error(error.errors()) from None
+        if not request.model:
+            raise api.OpenAIError(404, f"model '' does not exist: this server serves {self.pipeline.model!r}",
+                                  param="model", code="model_not_found")
+        body = {**converted.body, "model": request.model}
+        if stream:
+            # Cumulative usage in every chunk: each proto chunk says how many tokens it adds.
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         return body, converted.request_class
 
-    async def _start(self, endpoint: Endpoint, request, grpc_context, stream: bool) -> LaneCall:
+    async def _answer(self, endpoint: Endpoint, request, grpc_context, stream: bool) -> Answer:
         pipeline = self.pipeline
         carrier = None
         if pipeline.tracing.enabled and grpc_context is not None:
@@ -209,48 +211,49 @@ class GrpcApi:
         principal = self.authenticate_grpc(grpc_context)
         self.check_size(request)
         body, request_class = self._body(endpoint, request, stream)
-        return await pipeline.start(endpoint, body, class_header=request_class,
-                                    record=pipeline.new_record(endpoint, carrier), principal=principal)
+        return await pipeline.answer(endpoint, body, class_header=request_class,
+                                     record=pipeline.new_record(endpoint, carrier), principal=principal)
 
     @staticmethod
-    def _serving(call: LaneCall) -> pb.ServingInfo:
+    def _serving(call) -> pb.ServingInfo:
         return convert.serving_info(call.lane.value, call.request_class.value, call.context.reasons)
 
     async def _unary(self, endpoint: Endpoint, request, grpc_context):
         shapes = PROTO_SHAPES[endpoint.name]
         try:
-            call = await self._start(endpoint, request, grpc_context, stream=False)
-            response = await self.pipeline.collect(call)
+            answer = await self._answer(endpoint, request, grpc_context, stream=False)
         except api.OpenAIError as error:
             set_grpc_error(grpc_context, error)
             return shapes.empty_response()
-        return shapes.response(response, self._serving(call))
+        return shapes.response(answer.response, self._serving(answer.calls[0]))
 
     async def _stream(self, endpoint: Endpoint, request, grpc_context):
         """Generate / ChatCompleteStream: the SSE path's chunks as proto messages. The first message carries
         `serving` (and the assistant role for chat), the one with finish_reason carries `usage`."""
-        shapes, model = PROTO_SHAPES[endpoint.name], self.pipeline.model
+        shapes = PROTO_SHAPES[endpoint.name]
         try:
-            call = await self._start(endpoint, request, grpc_context, stream=True)
+            answer = await self._answer(endpoint, request, grpc_context, stream=True)
         except api.OpenAIError as error:
             raise RuntimeError(set_grpc_error(grpc_context, error).details) from None
-        request_id, serving, sent_tokens, usage_sent = call.context.request_id, self._serving(call), 0, False
-        try:
-            async with contextlib.aclosing(call.chunks()) as chunks:
-                async for chunk in chunks:
-                    usage = None
-                    if chunk.finish_reason is not None:
-                        usage = api.usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
-                        usage_sent = True
-                    num_tokens, sent_tokens = chunk.completion_tokens - sent_tokens, chunk.completion_tokens
-                    message = endpoint.chunk(request_id, model, chunk.text, chunk.finish_reason, usage,
-                                             first=serving is not None)
-                    yield shapes.chunk(message, serving, num_tokens)
-                    serving = None
-        except api.OpenAIError as error:
-            raise RuntimeError(set_grpc_error(grpc_context, error).details) from None
-        if not usage_sent and call.last is not None:
-            # The lane ended without a finish reason: usage still travels, in a chunk of its own.
-            last = call.last
-            usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
-            yield shapes.chunk(endpoint.usage_chunk(request_id, model, usage), serving, 0)
+        serving, sent_tokens, usage_sent = self._serving(answer.calls[0]), 0, False
+        async with contextlib.aclosing(answer.events) as events:
+            async for event in events:
+                chunk = sse_json(event)
+                if chunk is None:
+                    continue
+                if "error" in chunk and "choices" not in chunk:
+                    error = chunk["error"]
+                    raise RuntimeError(set_grpc_error(grpc_context, api.OpenAIError(
+                        int(error.get("code") or 500), error.get("message", ""), type=error.get("type", "")
+                    )).details)
+                usage = chunk.get("usage") or {}
+                total = usage.get("completion_tokens", sent_tokens)
+                num_tokens, sent_tokens = total - sent_tokens, total
+                choices = chunk.get("choices") or []
+                if not choices and usage_sent:
+                    continue  # vLLM's usage-only last chunk: the finishing chunk carried the usage already
+                if choices and not any(c.get("finish_reason") for c in choices):
+                    chunk["usage"] = None  # usage travels with the finishing chunk (or a usage-only one)
+                usage_sent = usage_sent or bool(chunk.get("usage"))
+                yield shapes.chunk(chunk, serving, num_tokens)
+                serving = None

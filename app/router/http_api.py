@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +22,6 @@ from app.router import openai_api as api
 from app.router.auth import AUTHORIZATION_HEADER, Principal, require_admin
 from app.router.body_limit import BodySizeLimit
 from app.router.endpoints import CHAT, COMPLETION, Endpoint
-from app.router.lane_call import LaneCall
 from app.router.pipeline import RequestPipeline
 from app.router.replica_counts import health_response
 
@@ -46,25 +44,25 @@ def client_timeout(value: str | None) -> float | None:
     return seconds
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-async def sse_events(pipeline: RequestPipeline, call: LaneCall, include_usage: bool) -> AsyncIterator[str]:
-    """The answer as server-sent events; an error after the headers went out travels as an event, then the end."""
-    endpoint, request_id, model = call.context.endpoint, call.context.request_id, pipeline.model
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body, refused with 413 past `max_bytes` (router.max_request_bytes) before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    received = bytearray()
+    async for piece in request.stream():
+        received += piece
+        if len(received) > max_bytes:
+            raise _too_large(max_bytes)
     try:
-        if endpoint.chat:
-            yield sse(endpoint.chunk(request_id, model, "", first=True))
-        async for chunk in call.chunks():
-            yield sse(endpoint.chunk(request_id, model, chunk.text, chunk.finish_reason))
-        if include_usage:
-            last = call.last
-            usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
-            yield sse(endpoint.usage_chunk(request_id, model, usage))
-        yield sse("[DONE]")
-    except api.OpenAIError as error:
-        yield sse(error.body())
+        return json.loads(received)
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise api.OpenAIError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def _too_large(max_bytes: int) -> api.OpenAIError:
+    return api.OpenAIError(413, f"the request body is over this server's limit of {max_bytes} bytes "
+                                f"(router.max_request_bytes)", code="request_too_large")
 
 
 def openai_error_response(error: api.OpenAIError) -> JSONResponse:
@@ -122,31 +120,56 @@ class HttpApi:
 
     async def models(self, request: Request) -> dict[str, Any]:
         self.authenticate_http(request)
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str, request: Request) -> dict[str, Any]:
+        self.authenticate_http(request)
+        if model_id != self.pipeline.model:
+            raise api.OpenAIError(404, f"model {model_id!r} does not exist: this server serves "
+                                       f"{self.pipeline.model!r}", param="model", code="model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
         model = self.pipeline.cfg.model
-        return {"object": "list",
-                "data": [{"id": model.served_name, "object": "model", "created": 0, "owned_by": "llm-lanes",
-                          "max_model_len": model.max_model_len}]}
+        return {"id": model.served_name, "object": "model", "created": 0, "owned_by": "llm-lanes",
+                "root": model.source, "max_model_len": model.max_model_len}
 
-    async def chat_completions(self, body: api.ChatCompletionRequest, request: Request):
-        return await self._generate(CHAT, body, request)
+    async def version(self) -> dict[str, Any]:
+        return {"version": self.pipeline.surface.vllm_version}
 
-    async def completions(self, body: api.CompletionRequest, request: Request):
-        return await self._generate(COMPLETION, body, request)
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        self.authenticate_http(request)
+        body = await read_json_body(request, self.pipeline.cfg.router.max_request_bytes)
+        return await self.pipeline.surface.tokenize(body)
 
-    async def _generate(self, endpoint: Endpoint, body, request: Request):
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        self.authenticate_http(request)
+        body = await read_json_body(request, self.pipeline.cfg.router.max_request_bytes)
+        return await self.pipeline.surface.detokenize(body)
+
+    async def chat_completions(self, request: Request):
+        return await self._generate(CHAT, request)
+
+    async def completions(self, request: Request):
+        return await self._generate(COMPLETION, request)
+
+    async def _generate(self, endpoint: Endpoint, request: Request):
         pipeline = self.pipeline
         principal = self.authenticate_http(request)
         record = pipeline.new_record(endpoint, request.headers if pipeline.tracing.enabled else None)
-        call = await pipeline.start(endpoint, body, class_header=request.headers.get(REQUEST_CLASS_HEADER),
-                                    client_timeout_s=client_timeout(request.headers.get(REQUEST_TIMEOUT_HEADER)),
-                                    record=record, principal=principal)
+        try:
+            body = await read_json_body(request, pipeline.cfg.router.max_request_bytes)
+        except api.OpenAIError as error:
+            pipeline.count_refusal(record, None, request.headers.get(REQUEST_CLASS_HEADER), error.status)
+            raise
+        answer = await pipeline.answer(endpoint, body, class_header=request.headers.get(REQUEST_CLASS_HEADER),
+                                       client_timeout_s=client_timeout(request.headers.get(REQUEST_TIMEOUT_HEADER)),
+                                       record=record, principal=principal)
         # The lane that started the answer (a decode handoff's continuation says so in x-llm-lanes-degraded).
-        headers = call.headers()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse_events(pipeline, call, include_usage), media_type="text/event-stream",
-                                     headers=headers)
-        return JSONResponse(await pipeline.collect(call), headers=headers)
+        headers = answer.headers()
+        if answer.events is not None:
+            return StreamingResponse(answer.events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(answer.response, headers=headers)
 
     async def admin_stats_route(self, request: Request) -> dict[str, Any]:
         self.authenticate_http(request, admin=True)
@@ -161,7 +184,9 @@ class HttpApi:
             raise api.OpenAIError(400, "body is not JSON", code="invalid_json") from None
         if not isinstance(body, dict) or not isinstance(body.get("prompt"), (str, list)):
             raise api.OpenAIError(400, "send {\"prompt\": <text or token ids>}", param="prompt")
-        token_ids = self.pipeline.tokenizer.prompt_token_ids(body["prompt"])
+        prompt = body["prompt"]
+        token_ids = (self.pipeline.surface.tokenizer.encode(prompt, add_special_tokens=False)
+                     if isinstance(prompt, str) else prompt)
         block_size = self.pipeline.cfg.hot_lane.engine.block_size
         matches = await self.prefix_cache.lookup.remote(block_hashes(token_ids, block_size), block_size)
         return {"prompt_tokens": len(token_ids), "block_size": block_size,
@@ -171,6 +196,10 @@ class HttpApi:
 HTTP_ROUTES = {
     "health": lambda app: app.get("/health"),
     "models": lambda app: app.get("/v1/models"),
+    "model": lambda app: app.get("/v1/models/{model_id:path}"),
+    "version": lambda app: app.get("/version"),
+    "tokenize": lambda app: app.post("/tokenize"),
+    "detokenize": lambda app: app.post("/detokenize"),
     "chat_completions": lambda app: app.post(CHAT.path),
     "completions": lambda app: app.post(COMPLETION.path),
     "admin_stats_route": lambda app: app.get("/v1/admin/stats"),

@@ -64,6 +64,8 @@ class RequestContext:
     @property
     def tenant(self) -> str:
         return self.principal.tenant
+    # Why a decode handoff cannot carry this request's answer (n > 1, logprobs...): None when it can.
+    handoff_blocker: str | None = None
 
     @property
     def request_id(self) -> str:

@@ -1,18 +1,21 @@
-"""The Router's one request path: prepare -> admit -> route -> start -> stream or collect. A plain class, no Ray.
+"""The Router's one request path: parse and render (vLLM's serving code) -> prepare -> admit -> route -> start ->
+answer. A plain class, no Ray.
 
-`RequestPipeline` is built from the tokenizer, the traffic control (admission, breakers, slots, the routing
-decision), the lane clients, metrics and tracing; the Serve deployment only wires it, and every surface (HTTP, gRPC,
-batch lines) calls `start()` and then reads the answer from the `LaneCall` it returns. Each request carries one
-`RequestContext`: its class and lane as enums, the route decision with its reasons, and its record.
+`RequestPipeline` is built from the OpenAI surface (app/router/openai_surface.py), the traffic control (admission,
+breakers, slots, the routing decision), the lane clients, metrics and tracing; the Serve deployment only wires it.
+Every surface (HTTP, gRPC, batch lines) calls `answer()` with the client's JSON body: vLLM's serving code validates
+and renders it and calls `start()` for each prompt, and renders the answer from the chunks of the `LaneCall` that
+`start()` returns. Each request carries one `RequestContext`: its class and lane as enums, the route decision with its
+reasons, and its record.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from app.classes import RequestClass, UnknownRequestClass, classify, policy_for
@@ -21,28 +24,25 @@ from app.lanes.types import LaneRequest, SamplingOptions
 from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tracing
 from app.router import openai_api as api
 from app.router.control import TrafficControl
-from app.router.endpoints import Endpoint
 from app.router.auth import OPEN_PRINCIPAL, Principal, check_class
+from app.router.endpoints import Answer, Endpoint, Generation
 from app.router.lane_call import LaneCall, LaneClients, RequestContext
-from app.router.prompts import PromptTokenizer
 from app.router.rate_limits import NO_CHARGE, Charge, RateLimited, RateLimiter
 from app.router.record import CLIENT_CLOSED_STATUS, UNKNOWN_CLASS, RecentTtft, RequestRecord, reason_label
+from app.router.handoff import handoff_after_tokens
 from app.router.spill import RouteDecision, RouteRefusal
+
+# x-llm-lanes-degraded: the decode handoff would have moved this request, but cannot carry what it asked for.
+REASON_HANDOFF_SKIPPED = "handoff_skipped"
 
 logger = logging.getLogger(__name__)
 
-# Prompts above this many characters are validated and tokenized on a worker thread, not on the event loop: on the
-# H200 a burst of 512 batch prompts of 2,048 tokens held every later request for ~3 s while the Router tokenized them
-# inline. Shorter prompts stay inline, where the thread hop would cost more than it saves.
-TOKENIZE_INLINE_MAX_CHARS = 2048
-
-
 class RequestPipeline:
-    def __init__(self, cfg: AppConfig, tokenizer: PromptTokenizer, control: TrafficControl, lanes: LaneClients,
-                 metrics, tracing: Tracing, tokenize_executor: concurrent.futures.Executor | None = None,
-                 rate_limits: RateLimiter | None = None):
+    def __init__(self, cfg: AppConfig, surface, control: TrafficControl, lanes: LaneClients, metrics,
+                 tracing: Tracing, rate_limits: RateLimiter | None = None):
+        """`surface`: the OpenAISurface (vLLM's serving code for this model); None where only `start()` is used."""
         self.cfg = cfg
-        self.tokenizer = tokenizer
+        self.surface = surface
         self.control = control
         self.lanes = lanes
         self.metrics = metrics
@@ -50,9 +50,6 @@ class RequestPipeline:
         self.recent_ttft = RecentTtft()
         # The API keys' requests and tokens per minute, app-wide (None: no key has limits).
         self.rate_limits = rate_limits
-        # One thread by default: long prompts are tokenized one at a time, never concurrently on the one tokenizer.
-        self.tokenize_executor = tokenize_executor or concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tokenize")
 
     @property
     def model(self) -> str:
@@ -64,69 +61,100 @@ class RequestPipeline:
 
     # ---- prepare -------------------------------------------------------------------------------------------------
 
-    def check_model(self, model: str) -> None:
-        if model != self.model:
-            raise api.OpenAIError(404, f"model {model!r} does not exist: this server serves {self.model!r}",
-                                  param="model", code="model_not_found")
-
-    def prepare(self, endpoint: Endpoint, body, class_header: str | None, record: RequestRecord,
-                client_timeout_s: float | None = None, principal: Principal = OPEN_PRINCIPAL) -> RequestContext:
-        """Validate, classify, tokenize once: everything before admission. Raises OpenAIError."""
-        self.check_model(body.model)
+    def classify(self, service_tier: str | None, class_header: str | None, principal: Principal) -> RequestClass:
+        """The request's class, if its key may use it. Raises OpenAIError (400 unknown, 403 not allowed)."""
         try:
-            request_class = classify(body.service_tier, class_header)
+            request_class = classify(service_tier, class_header)
         except UnknownRequestClass as error:
             raise api.OpenAIError(400, str(error), param=error.param, code="invalid_request_class") from None
         check_class(principal, request_class, "X-Request-Class header" if class_header else "service_tier")
-        token_ids = self.tokenizer.token_ids(body)
+        return request_class
+
+    def prepare(self, endpoint: Endpoint, generation: Generation, service_tier: str | None,
+                class_header: str | None, record: RequestRecord, client_timeout_s: float | None = None,
+                principal: Principal = OPEN_PRINCIPAL) -> RequestContext:
+        """Classify the prompt the OpenAI surface rendered: everything before admission. Raises OpenAIError."""
+        request_class = self.classify(service_tier, class_header, principal)
+        token_ids = generation.prompt_token_ids
         limit = self.cfg.model.max_model_len
         if len(token_ids) >= limit:
             raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the prompt has "
                                        f"{len(token_ids)}: shorten the prompt", param=endpoint.prompt_param,
                                   code="context_length_exceeded")
-        requested = body.requested_max_tokens
-        max_tokens = requested if requested is not None else min(self.cfg.router.default_max_tokens,
-                                                                 limit - len(token_ids))
         lane_request = LaneRequest(
-            request_id=endpoint.new_id(),
+            request_id=generation.request_id,
             prompt_token_ids=token_ids,
-            sampling=SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                     stop=body.stop_list, seed=body.seed, ignore_eos=body.ignore_eos),
+            sampling=SamplingOptions(max_tokens=generation.max_tokens, stop=generation.stop),
             request_class=request_class,
             priority=policy_for(request_class).priority,
-            stream=body.stream,
+            stream=generation.stream,
             client_timeout_s=client_timeout_s,
             trace_carrier=record.carrier(),
+            engine_params=generation.engine_params,
+            engine_kwargs=generation.engine_kwargs,
         )
         record.request_class = request_class
-        return RequestContext(endpoint, request_class, lane_request, record, max_tokens, principal=principal)
+        return RequestContext(endpoint, request_class, lane_request, record, generation.max_tokens,
+                              handoff_blocker=generation.handoff_blocker, principal=principal)
 
     # ---- the whole front half --------------------------------------------------------------------------------------
 
-    async def start(self, endpoint: Endpoint, body, *, class_header: str | None = None,
-                    client_timeout_s: float | None = None, record: RequestRecord | None = None,
-                    principal: Principal = OPEN_PRINCIPAL) -> "LaneCall":
+    async def answer(self, endpoint: Endpoint, body: Any, *, class_header: str | None = None,
+                     client_timeout_s: float | None = None, record: RequestRecord | None = None,
+                     stream: bool | None = None, principal: Principal = OPEN_PRINCIPAL) -> Answer:
+        """A client's JSON body -> the answer (JSON or SSE events), through vLLM's serving code with each prompt
+        started here (`start`). `stream` overrides the body's (batch lines are never streamed). `principal`: the
+        caller its API key names (the surfaces authenticate first); batch lines run as their batch's tenant.
+        Raises OpenAIError with the right status."""
+        record = record if record is not None else self.new_record(endpoint)
+        service_tier = body.get("service_tier") if isinstance(body, dict) else None
+        try:
+            # A class the key may not use is refused before vLLM's code renders (and tokenizes) the prompt.
+            self.classify(service_tier if isinstance(service_tier, str) else None, class_header, principal)
+            if isinstance(body, dict):
+                self.surface.check_bounds(endpoint, body)
+                if stream is not None:
+                    body = {**body, "stream": stream}
+            request = self.surface.parse(endpoint, body)
+        except api.OpenAIError as error:
+            self.count_refusal(record, service_tier, class_header, error.status)
+            raise
+        records = iter([record])
+
+        async def launch(generation: Generation) -> LaneCall:
+            # A completion with several prompts starts one lane call per prompt, each with a record of its own.
+            return await self.start(endpoint, generation, service_tier=service_tier, class_header=class_header,
+                                    client_timeout_s=client_timeout_s,
+                                    record=next(records, None) or self.new_record(endpoint), principal=principal)
+
+        try:
+            return await self.surface.answer(endpoint, request, launch)
+        except api.OpenAIError as error:
+            if not record.finished and record.request_class is None:
+                # Refused by vLLM's serving code before any prompt started (model, template, parameters).
+                self.count_refusal(record, service_tier, class_header, error.status)
+            raise
+
+    async def start(self, endpoint: Endpoint, generation: Generation, *, service_tier: str | None = None,
+                    class_header: str | None = None, client_timeout_s: float | None = None,
+                    record: RequestRecord | None = None, principal: Principal = OPEN_PRINCIPAL) -> "LaneCall":
         """prepare -> admit -> route -> start on the lane (its first chunk in hand). Raises OpenAIError with the
         right status; the request's outcome is counted here when it ends before its first chunk. `principal`: the
         caller its API key names (the surfaces authenticate first); batch lines run as the open principal."""
         record = record if record is not None else self.new_record(endpoint)
         try:
             with record.span_for(SPAN_CLASSIFY):
-                if body.prompt_size() > TOKENIZE_INLINE_MAX_CHARS:
-                    context = await asyncio.get_running_loop().run_in_executor(
-                        self.tokenize_executor, self.prepare, endpoint, body, class_header, record, client_timeout_s,
-                        principal)
-                else:
-                    context = self.prepare(endpoint, body, class_header, record, client_timeout_s, principal)
+                context = self.prepare(endpoint, generation, service_tier, class_header, record, client_timeout_s,
+                                       principal)
             return await self._admit_and_start(context)
         except api.OpenAIError as error:
-            self._count_refusal(record, body, class_header, error.status)
+            self.count_refusal(record, service_tier, class_header, error.status)
             raise
         except asyncio.CancelledError:
-            self._count_refusal(record, body, class_header, CLIENT_CLOSED_STATUS)
+            self.count_refusal(record, service_tier, class_header, CLIENT_CLOSED_STATUS)
             raise
         except Exception:
-            self._count_refusal(record, body, class_header, 500)
+            self.count_refusal(record, service_tier, class_header, 500)
             raise
 
     async def _admit_and_start(self, context: RequestContext) -> "LaneCall":
@@ -192,7 +220,8 @@ class RequestPipeline:
         decision = self.control.route(
             context.request_class, len(request.prompt_token_ids) + continuation_tokens,
             max_tokens if max_tokens is not None else context.max_tokens,
-            has_stop_strings=bool(request.sampling.stop), hot_refused_for_kv=hot_refused_for_kv,
+            has_stop_strings=bool(request.sampling.stop) or context.handoff_blocker is not None,
+            hot_refused_for_kv=hot_refused_for_kv,
             hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0,
             waited_s=time.monotonic() - context.record.arrived_at, tenant=context.tenant)
         if isinstance(decision, RouteRefusal):
@@ -203,6 +232,15 @@ class RequestPipeline:
                 message += f"; retry in {decision.retry_after_s} s"
             raise api.OpenAIError(decision.status, message, code=decision.code, type=error_type,
                                   param="max_tokens" if decision.status == 400 else None, headers=headers)
+        if (context.handoff_blocker not in (None, "stop") and continuation_tokens == 0
+                and REASON_HANDOFF_SKIPPED not in context.reasons
+                and handoff_after_tokens(request_class=context.request_class, lane=decision.lane,
+                                         prompt_tokens=len(request.prompt_token_ids), max_tokens=decision.max_tokens,
+                                         has_stop_strings=False,
+                                         handoff_tokens=self.cfg.admission.interactive_decode_handoff_tokens,
+                                         lane_caps=self.control.lane_caps) is not None):
+            # The decode handoff would have taken it, but its continuation could not answer the same: it stays.
+            decision = replace(decision, reasons=(*decision.reasons, REASON_HANDOFF_SKIPPED))
         context.route = decision
         context.lane = decision.lane
         context.record.lane = decision.lane.value
@@ -212,16 +250,6 @@ class RequestPipeline:
                 self.metrics.count_degrade(reason=reason_label(reason), request_class=context.request_class)
         return decision
 
-    # ---- answers ---------------------------------------------------------------------------------------------------
-
-    async def collect(self, call: "LaneCall") -> dict[str, Any]:
-        """The whole answer as one OpenAI response object."""
-        pieces = [chunk.text async for chunk in call.chunks()]
-        last = call.last
-        usage = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens)
-        return call.context.endpoint.response(call.context.request_id, self.model, "".join(pieces),
-                                              last.finish_reason, usage)
-
     # ---- bookkeeping -----------------------------------------------------------------------------------------------
 
     def _publish_queue_depth(self, request_class: RequestClass) -> None:
@@ -229,14 +257,18 @@ class RequestPipeline:
         self.metrics.set_queue_depth(self.control.back_pressure.queued(request_class), request_class=request_class)
 
     @staticmethod
-    def _count_refusal(record: RequestRecord, body, class_header: str | None, status: int) -> None:
+    def count_refusal(record: RequestRecord, service_tier: str | None, class_header: str | None,
+                       status: int) -> None:
+        if record.finished:
+            return
         if record.request_class is None:
             # Refused before classification (unknown model, empty prompt...): label it with the class it asked for.
             try:
-                record.request_class = classify(getattr(body, "service_tier", None), class_header)
+                record.request_class = classify(service_tier if isinstance(service_tier, str) else None,
+                                                class_header)
             except UnknownRequestClass:
                 record.request_class = UNKNOWN_CLASS
         record.failed(status)
 
     def shutdown(self) -> None:
-        self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
+        pass

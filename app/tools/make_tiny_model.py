@@ -25,11 +25,28 @@ SEED = 1234
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
 BOS, EOS, PAD = SPECIAL_TOKENS
-# Llama-3-style chat template, reduced to what a tiny model needs: role headers and an end-of-turn token.
+# The markers of a Hermes-style tool call: vLLM's `hermes` tool-call parser finds calls between them (it needs both
+# in the vocabulary, and turns skip_special_tokens off for requests with tools, so they reach it as text).
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+# Llama-3-style chat template, reduced to what a tiny model needs: role headers and an end-of-turn token; with
+# `tools`, a Hermes-style system turn lists them, assistant tool calls are written as <tool_call> JSON and tool
+# results as <tool_response>, so tool requests take every path on CPU. Without tools the prompt is the same as
+# before tools were supported.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|start|>system\nYou may call these tools. <tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> "
+    "Answer a call as <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>{{ eos_token }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|start|>{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}<|start|>assistant\n"
+    "{% for call in message['tool_calls'] %}<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}<|start|>tool\n<tool_response>{{ message['content'] }}</tool_response>"
+    "{{ eos_token }}"
+    "{% else %}<|start|>{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
 )
@@ -96,7 +113,7 @@ def build_tokenizer(out_dir: Path) -> None:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS + ["<|start|>"],
+        special_tokens=SPECIAL_TOKENS + ["<|start|>"] + TOOL_CALL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -110,10 +110,10 @@ def test_grpc_empty_prompt_is_invalid_argument(stub, served_model):
     error = rpc_error(lambda: stub.Complete(completion(served_model, prompt=""), metadata=APPLICATION,
                                             timeout=RPC_TIMEOUT_S))
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt is empty" in error.details()
+    assert "must be provided and non-empty" in error.details()  # vLLM's own refusal
     trailing = dict(error.trailing_metadata() or ())
     assert trailing.get("http-status") == "400"
-    assert trailing.get("error-code") == "empty_prompt"
+    assert trailing.get("error-code") == "invalid_value"
 
 
 def test_grpc_unknown_model_is_not_found(stub):

@@ -4,28 +4,19 @@ neither does a deadline the client itself asked for. Fakes around the Router's r
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import ValidationError
 
 from app.classes import Lane
 from app.lanes.types import LaneRequest, LaneRequestInvalid
 from app.router import openai_api as api
 from app.router.breaker import BreakerState
-from app.router.endpoints import COMPLETION
+from app.router.endpoints import CHAT, COMPLETION
 from app.router.http_api import HTTP_ROUTES, make_http_app
-from tests.fakes import FakeLane, FakeStream, make_pipeline, make_router
-
-
-def refusal(request_model: type, fields: dict) -> api.OpenAIError:
-    """The error the surfaces answer for this body (FastAPI's handler, gRPC and batch lines share the conversion)."""
-    try:
-        request_model.model_validate(fields)
-    except ValidationError as error:
-        return api.validation_error(error.errors())
-    raise AssertionError(f"{fields} was accepted")
+from tests.fakes import FakeLane, FakeStream, generation, make_pipeline, make_router
 
 
 def completion(**fields):
@@ -39,47 +30,64 @@ def chat(content="hello", **fields):
 LONE_SURROGATE = "a\ud800b"
 
 
-@pytest.mark.parametrize("model, fields, param", [
-    (api.CompletionRequest, completion(stop=[""]), "stop"),
-    (api.CompletionRequest, completion(stop=""), "stop"),
-    (api.ChatCompletionRequest, chat(stop=["x", ""]), "stop"),
-    (api.CompletionRequest, completion(seed=2**64), "seed"),
-    (api.CompletionRequest, completion(seed=2**63), "seed"),
-    (api.CompletionRequest, completion(seed=-(2**63) - 1), "seed"),
-    (api.CompletionRequest, completion(temperature=2.5), "temperature"),
-    (api.CompletionRequest, completion(temperature=-0.1), "temperature"),
-    (api.CompletionRequest, completion(temperature=float("nan")), "temperature"),
-    (api.CompletionRequest, completion(temperature=float("inf")), "temperature"),
-    (api.CompletionRequest, completion(top_p=0), "top_p"),
-    (api.CompletionRequest, completion(top_p=1.5), "top_p"),
-    (api.CompletionRequest, completion(max_tokens=0), "max_tokens"),
-    (api.CompletionRequest, completion(max_tokens=-5), "max_tokens"),
-    (api.ChatCompletionRequest, chat(max_completion_tokens=0), "max_completion_tokens"),
-    (api.CompletionRequest, completion(n=2), "n"),
-    (api.CompletionRequest, completion(prompt=LONE_SURROGATE), "prompt"),
-    (api.CompletionRequest, completion(prompt=[LONE_SURROGATE]), "prompt"),
-    (api.CompletionRequest, completion(stop=[LONE_SURROGATE]), "stop"),
-    (api.CompletionRequest, completion(model=LONE_SURROGATE), "model"),
-    (api.CompletionRequest, completion(service_tier="\udfff"), "service_tier"),
-    (api.ChatCompletionRequest, chat(LONE_SURROGATE), "messages.0.content"),
-    (api.ChatCompletionRequest, chat([{"type": "text", "text": LONE_SURROGATE}]), "messages.0.content"),
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    return make_router(tmp_path_factory.mktemp("bad_input"))
+
+
+def refusal(router, endpoint, body) -> api.OpenAIError:
+    """The error the pipeline answers for this body (HTTP, gRPC and batch lines all go through answer())."""
+    with pytest.raises(api.OpenAIError) as refused:
+        asyncio.run(router.pipeline.answer(endpoint, body))
+    return refused.value
+
+
+# vLLM's server names the parameter where its checks do (its empty-stop and n checks name none).
+@pytest.mark.parametrize("endpoint, fields, param", [
+    (COMPLETION, completion(stop=[""]), None),
+    (CHAT, chat(stop=["x", ""]), None),
+    (COMPLETION, completion(seed=2**64), "seed"),
+    (COMPLETION, completion(seed=-(2**63) - 1), "seed"),
+    (COMPLETION, completion(temperature=2.5), "temperature"),
+    (COMPLETION, completion(temperature=float("nan")), "temperature"),
+    (COMPLETION, completion(top_p=0), "top_p"),
+    (COMPLETION, completion(max_tokens=0), "max_tokens"),
+    (CHAT, chat(max_completion_tokens=0), "max_tokens"),
+    (COMPLETION, completion(n=0), None),
+    (COMPLETION, completion(prompt=LONE_SURROGATE), "prompt"),
+    (COMPLETION, completion(prompt=[LONE_SURROGATE]), "prompt"),
+    (COMPLETION, completion(stop=[LONE_SURROGATE]), "stop"),
+    (COMPLETION, completion(model=LONE_SURROGATE), "model"),
+    (COMPLETION, completion(service_tier="\udfff"), "service_tier"),
+    (CHAT, chat(LONE_SURROGATE), "messages"),
+    (CHAT, chat([{"type": "text", "text": LONE_SURROGATE}]), "messages"),
+    (COMPLETION, completion(stop=5), "stop"),
+    (COMPLETION, completion(logit_bias={"abc": 1}), "logit_bias"),
+    (COMPLETION, completion(response_format=-1), "response_format"),
+    (CHAT, chat(tools="str"), "tools"),
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    (COMPLETION, completion(prompt="x" * 100_000), "prompt"),
+    (COMPLETION, completion(service_tier="gold"), "service_tier"),
+    (CHAT, chat(priority=5), "priority"),
 ])
-def test_the_request_models_refuse_what_the_engine_would_with_400_naming_the_parameter(model, fields, param):
-    error = refusal(model, fields)
+def test_what_vllms_server_refuses_is_a_400_naming_its_parameter(router, endpoint, fields, param):
+    error = refusal(router, endpoint, fields)
     assert (error.status, error.param) == (400, param), error.body()
-    assert error.body()["error"]["message"].startswith(f"{param}: ")
+    assert not router.lanes["hot"].requests and not router.lanes["cold"].requests
 
 
-@pytest.mark.parametrize("fields", [completion(seed=2**63 - 1), completion(seed=-(2**63)), completion(seed=-1),
-                                    completion(stop=["x", "y"]), completion(temperature=0, top_p=1),
-                                    completion(prompt="héllo 🙂")])
-def test_values_the_engine_takes_are_accepted(fields):
-    api.CompletionRequest.model_validate(fields)
+def test_too_many_messages_are_refused_before_rendering(router):
+    messages = [{"role": "user", "content": "x"}] * (router.pipeline.cfg.router.max_messages + 1)
+    error = refusal(router, CHAT, {"model": "tiny", "messages": messages})
+    assert (error.status, error.param, error.code) == (400, "messages", "too_many_messages")
 
 
-def test_a_wrong_type_stays_422_naming_the_parameter_not_a_union_branch():
-    error = refusal(api.CompletionRequest, completion(stop=5))
-    assert (error.status, error.param) == (422, "stop")
+@pytest.mark.parametrize("fields", [completion(seed=2**63 - 1), completion(seed=-1), completion(stop=["x", "y"]),
+                                    completion(temperature=0, top_p=1), completion(prompt="héllo 🙂"),
+                                    completion(echo=True, presence_penalty=1), completion(top_k=5, min_p=0.1)])
+def test_values_the_engine_takes_are_accepted(router, fields):
+    answer = asyncio.run(router.pipeline.answer(COMPLETION, fields))
+    assert answer.response["choices"][0]["text"].endswith("abcdef")
 
 
 def test_lone_surrogates_are_found_in_nested_content_parts():
@@ -103,10 +111,11 @@ def http(tmp_path):
     ("/v1/completions", rb'{"model": "tiny", "prompt": "a\ud800"}', "prompt"),
     ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "stop": ["\udfff"]}', "stop"),
     ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}',
-     "messages.0.content"),
-    ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": [""]}', "stop"),
+     "messages"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": [""]}', None),
     ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "seed": 18446744073709551616}', "seed"),
     ("/v1/completions", rb'{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * 200_000 + b'"}', "prompt"),
 ])
 def test_http_answers_bad_values_400_and_no_lane_sees_them(http, path, raw, param):
     client, router = http
@@ -150,15 +159,14 @@ async def test_a_lanes_refusal_is_a_400_and_never_opens_its_breaker():
     threshold = pipeline.cfg.admission.breaker.failure_threshold
     for _ in range(5 * threshold):
         with pytest.raises(api.OpenAIError) as refused:
-            await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt=[0, 5], max_tokens=2))
+            await pipeline.start(COMPLETION, generation(prompt_token_ids=[0, 5]))
         assert (refused.value.status, refused.value.param) == (400, "stop")
         assert "empty string" in refused.value.message
     assert len(lanes["hot"].requests) == 5 * threshold, "each refusal came from the lane"
     assert {lane: b.state for lane, b in pipeline.control.breakers.items()} == {
         Lane.HOT: BreakerState.CLOSED, Lane.COLD: BreakerState.CLOSED}
-    call = await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt="valid", max_tokens=2))
-    answer = await pipeline.collect(call)
-    assert call.lane is Lane.HOT and answer["choices"][0]["text"] == "abcdef"
+    answer = await pipeline.answer(COMPLETION, completion(max_tokens=2))
+    assert answer.calls[0].lane is Lane.HOT and answer.response["choices"][0]["text"] == "abcdef"
 
 
 async def test_a_lane_failure_still_counts_against_its_breaker():
@@ -173,7 +181,7 @@ async def test_a_lane_failure_still_counts_against_its_breaker():
     pipeline, _, _ = make_pipeline({"hot": DeadLane("hot"), "cold": FakeLane("cold")})
     for _ in range(pipeline.cfg.admission.breaker.failure_threshold):
         with pytest.raises(api.OpenAIError) as failed:
-            await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt="hi", max_tokens=2),
+            await pipeline.start(COMPLETION, generation(),
                                  class_header="realtime")
         assert failed.value.status == 503
     assert pipeline.control.breakers[Lane.HOT].state is BreakerState.OPEN
@@ -184,7 +192,7 @@ async def test_the_clients_own_short_deadline_is_a_504_that_no_breaker_counts():
     pipeline, _, _ = make_pipeline(slow)
     for _ in range(3 * pipeline.cfg.admission.breaker.failure_threshold):
         with pytest.raises(api.OpenAIError) as late:
-            await pipeline.start(COMPLETION, api.CompletionRequest(model="tiny", prompt="hi", max_tokens=2),
+            await pipeline.start(COMPLETION, generation(),
                                  client_timeout_s=0.01)
         assert late.value.status == 504
     assert all(b.state is BreakerState.CLOSED for b in pipeline.control.breakers.values())
@@ -251,3 +259,28 @@ async def test_the_engine_adapter_raises_lane_request_invalid_only_before_the_fi
     bad = LaneRequest("r", [1, 2], SamplingOptions(max_tokens=4, stop=("",)), RequestClass.INTERACTIVE, 10)
     with pytest.raises(LaneRequestInvalid, match="empty string"):
         [chunk async for chunk in engine.generate(bad)]
+
+
+# ---- bounded work on bad input ------------------------------------------------------------------------------------
+
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing_it(router):
+    import time
+
+    started = time.perf_counter()
+    error = refusal(router, COMPLETION, completion(prompt="word " * 2_000_000))  # 10 MB
+    assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
+    assert time.perf_counter() - started < 2.0, "refused from its length, not after tokenizing 10 MB"
+    messages = [{"role": "user", "content": "word " * 200_000}] * 10
+    assert refusal(router, CHAT, {"model": "tiny", "messages": messages}).code == "context_length_exceeded"
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_parsed(tmp_path):
+    app = make_http_app()
+    router = make_router(tmp_path, router={"max_body_bytes": 4096})
+    HTTP_ROUTES["completions"](app)(router.completions)
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}',
+                               headers={"content-type": "application/json"})
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        small = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert small.status_code == 200

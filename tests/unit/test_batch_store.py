@@ -62,6 +62,22 @@ def test_files_round_trip_and_unknown_ids(store_factory):
         store.create_batch("file-nope", ENDPOINT, WINDOW)
 
 
+def test_files_are_listed_newest_first_and_deleted(store_factory):
+    store = store_factory()
+    first = store.create_file("batch", "a.jsonl", b"a\n")
+    second = store.create_file("batch", "b.jsonl", b"b\n")
+    listed = store.list_files()
+    assert {r.id for r in listed} == {first.id, second.id}
+    assert [r.created_at for r in listed] == sorted((r.created_at for r in listed), reverse=True)
+    assert store.list_files(purpose="batch_output") == []
+    store.delete_file(first.id)
+    assert [r.id for r in store.list_files()] == [second.id]
+    with pytest.raises(NotFoundError):
+        store.get_file(first.id)
+    with pytest.raises(NotFoundError):
+        store.delete_file(first.id)
+
+
 def test_create_batch_rejects_bad_arguments(store_factory):
     store = store_factory()
     good = store.create_file("batch", "in.jsonl", jsonl_bytes([chat_line("a")]))

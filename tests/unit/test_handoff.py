@@ -10,15 +10,13 @@ import pytest
 
 from app.config import ConfigError, load_app_config
 from app.lanes.types import LaneChunk, LaneRequest
-from app.router import openai_api as api
 from app.router.breaker import BreakerState
 from app.classes import Lane, RequestClass, policy_for
 from app.router.endpoints import COMPLETION
 from app.router.handoff import REASON_DECODE_ON_COLD, handoff_after_tokens
-from app.router.http_api import sse_events
 from app.router.lane_caps import LaneCaps
 from app.router.spill import COLD_LANE_INTERACTIVE_PRIORITY
-from tests.fakes import FakeLane, FakeStream, cpu_args, make_router
+from tests.fakes import FakeLane, FakeStream, cpu_args, engine_output, make_router
 
 TWO_LANES = {Lane.HOT: LaneCaps(2048), Lane.COLD: LaneCaps(2048)}
 
@@ -79,11 +77,15 @@ class TokenLane(FakeLane):
         chunks, done = [], 0
         for n, piece in enumerate(pieces):
             done += len(piece)
+            last = n == len(pieces) - 1
+            text = "".join(f"t{i}." for i in piece)
+            output = engine_output(request, text, piece, last, finish)
+            output.num_cached_tokens = 3
             chunks.append(LaneChunk(
-                text="".join(f"t{i}." for i in piece), completion_tokens=done,
+                text=text, completion_tokens=done,
                 prompt_tokens=len(request.prompt_token_ids), cached_prompt_tokens=3,
-                finish_reason=finish if n == len(pieces) - 1 else None, lane=self.name,
-                token_ids=tuple(piece) if request.return_token_ids else ()))
+                finish_reason=finish if last else None, lane=self.name,
+                token_ids=tuple(piece) if request.return_token_ids else (), output=output))
         return FakeStream(chunks)
 
 
@@ -93,14 +95,15 @@ def handoff_router(tmp_path, tokens: int = 1, hot_eos_after: int | None = None):
 
 
 async def start(router, stream: bool, max_tokens: int = 5, **fields):
-    body = api.CompletionRequest.model_validate({"model": "tiny", "prompt": "hello", "max_tokens": max_tokens,
-                                                 "stream": stream, **fields})
-    call = await router.pipeline.start(COMPLETION, body)
-    return call.context.lane_request, call
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "stream": stream, **fields}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    answer = await router.pipeline.answer(COMPLETION, body)
+    return answer.calls[0].context.lane_request, answer
 
 
-async def streamed_events(router, generation) -> list[dict]:
-    events = [e async for e in sse_events(router.pipeline, generation, include_usage=True)]
+async def streamed_events(router, answer) -> list[dict]:
+    events = [e async for e in answer.events]
     assert events[-1] == "data: [DONE]\n\n"
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
@@ -134,7 +137,7 @@ async def test_a_streamed_answer_continues_on_the_cold_lane_after_its_first_toke
 async def test_an_answer_collected_whole_joins_both_parts(tmp_path):
     router = handoff_router(tmp_path, tokens=2)
     _, generation = await start(router, stream=False, max_tokens=6)
-    response = await router.pipeline.collect(generation)
+    response = generation.response
     assert response["choices"][0]["text"] == "t100.t101.t500.t501.t502.t503."
     assert response["choices"][0]["finish_reason"] == "length"
     assert response["usage"]["completion_tokens"] == 6
@@ -184,7 +187,7 @@ async def test_a_cold_lane_failure_after_the_first_token_ends_the_stream_with_an
     router = handoff_router(tmp_path)
     router.lanes["cold"] = DeadLane("cold")
     _, generation = await start(router, stream=True)
-    raw = [e async for e in sse_events(router.pipeline, generation, include_usage=True)]
+    raw = [e async for e in generation.events]
     events = [json.loads(e.removeprefix("data: ")) for e in raw]  # no [DONE]: the stream ended on the error
     texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
     assert texts == ["t100."]  # the first token, from the hot lane, reached the client
@@ -192,3 +195,15 @@ async def test_a_cold_lane_failure_after_the_first_token_ends_the_stream_with_an
     assert error["code"] == "lane_unavailable" and "cold lane" in error["message"]
     assert len(router.control.breakers[Lane.COLD]._failure_times) == 1  # the cold lane's failure, not the hot one's
     assert not router.control.breakers[Lane.HOT]._failure_times
+
+
+@pytest.mark.parametrize("fields, blocker", [({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"seed": 7}, "seed"),
+                                             ({"response_format": {"type": "json_object"}}, "structured_output")])
+async def test_a_request_the_continuation_cannot_answer_skips_the_handoff_and_says_so(tmp_path, fields, blocker):
+    router = handoff_router(tmp_path)
+    lane_request, answer = await start(router, stream=False, **fields)
+    assert answer.calls[0].context.handoff_blocker == blocker
+    assert not router.lanes["cold"].requests
+    request, = router.lanes["hot"].requests
+    assert request.sampling.max_tokens == 5 and not request.return_token_ids
+    assert answer.headers()["x-llm-lanes-degraded"] == "handoff_skipped"

@@ -135,12 +135,13 @@ async def test_grpc_complete_takes_the_http_path_and_records_metrics(tmp_path):
     reply = await router.Complete(completion(), grpc_context=context)
     assert isinstance(reply, pb.CompletionResponse)
     assert reply.text == "abcdef" and reply.finish_reason == "length"
-    assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens == len("hello there")
+    prompt_tokens = len(router.pipeline.surface.tokenizer.encode("hello there"))  # vLLM's: with the BOS token
+    assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens == prompt_tokens
     assert reply.serving.lane == "hot"
     assert reply.serving.request_class == pb.REQUEST_CLASS_INTERACTIVE
     assert context.code() is None
     sent = router.lanes["hot"].requests[0]
-    assert sent.stream is False and sent.sampling.temperature == 0.0 and sent.trace_carrier == {}
+    assert sent.stream is False and sent.engine_params.temperature == 0.0 and sent.trace_carrier == {}
 
     backend = router.metrics_backend
     assert requests_total(router) == [{"lane": "hot", "request_class": "interactive", "outcome": "success",
@@ -201,6 +202,28 @@ async def test_grpc_invalid_sampling_is_invalid_argument(tmp_path):
     await router.Complete(request, grpc_context=context)
     assert context.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature" in context.details()
+
+
+async def test_grpc_carries_every_openai_field_and_returns_the_whole_answer(tmp_path):
+    from google.protobuf import json_format, struct_pb2
+
+    router = make_router(tmp_path)
+    fields = struct_pb2.Struct()
+    fields.update({"logprobs": 1, "presence_penalty": 0.5, "frequency_penalty": 0.25, "max_tokens": 99})
+    reply = await router.Complete(completion(openai_fields=fields), grpc_context=grpc_context())
+    sent, = router.lanes["hot"].requests
+    params = sent.engine_params
+    assert (params.logprobs, params.presence_penalty, params.frequency_penalty) == (1, 0.5, 0.25)
+    assert params.max_tokens == 6, "the typed field wins"
+    whole = json_format.MessageToDict(reply.openai)
+    assert whole["choices"][0]["logprobs"]["token_logprobs"] == [-1.0] * 6
+    assert whole["choices"][0]["text"] == reply.text == "abcdef"
+
+    fields = struct_pb2.Struct()
+    fields.update({"response_format": -1})
+    context = grpc_context()
+    await router.Complete(completion(openai_fields=fields), grpc_context=context)
+    assert context.code() is grpc.StatusCode.INVALID_ARGUMENT and "response_format" in context.details()
 
 
 async def test_grpc_rejection_is_resource_exhausted_with_retry_after(tmp_path):
@@ -355,19 +378,23 @@ async def test_router_trace_records_a_failed_request(tmp_path):
     router = make_router(tmp_path, tracing_exporter="memory")
     await router.Complete(completion(prompt=""), grpc_context=grpc_context())
     spans = {span["name"]: span for span in router.tracing.finished_spans()}
-    assert spans[tr.SPAN_CLASSIFY]["status"] == "ERROR"
+    # Refused while vLLM's code rendered it: before classification, admission and any lane.
+    assert set(spans) == {tr.SPAN_REQUEST}
     assert spans[tr.SPAN_REQUEST]["attributes"]["http.response.status_code"] == 400
 
 
 async def test_http_path_continues_the_traceparent_header_and_honours_the_class_header(tmp_path):
     from starlette.requests import Request
 
-    from app.router import openai_api as api
-
     router = make_router(tmp_path, tracing_exporter="memory")
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"model": "tiny", "prompt": "hi", "max_tokens": 6}',
+                "more_body": False}
+
     request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                       "headers": [(b"traceparent", TRACEPARENT.encode()), (b"x-request-class", b"batch")]})
-    response = await router.completions(api.CompletionRequest(model="tiny", prompt="hi", max_tokens=6), request)
+                       "headers": [(b"traceparent", TRACEPARENT.encode()), (b"x-request-class", b"batch")]}, receive)
+    response = await router.completions(request)
     assert response.status_code == 200 and response.headers["x-llm-lanes-lane"] == "cold"
     request_span = next(s for s in router.tracing.finished_spans() if s["name"] == tr.SPAN_REQUEST)
     assert request_span["trace_id"] == "a" * 32

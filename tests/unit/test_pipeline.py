@@ -13,7 +13,7 @@ from app.classes import Lane
 from app.lanes.types import LaneChunk, LaneRequest
 from app.router import openai_api as api
 from app.router.endpoints import COMPLETION
-from tests.fakes import FakeClock, FakeLane, make_pipeline
+from tests.fakes import FakeClock, FakeLane, generation, make_pipeline
 
 # 8 sequences per hot engine, 4 of them for realtime: 4 hot slots for interactive work at this (only) Router.
 ADMISSION = {"realtime_max_inflight": 4, "interactive_ttft_slo_s": 1.0, "cold_spill_slots_per_replica": 2}
@@ -67,8 +67,9 @@ class HeldLane(FakeLane):
         self.running[0].done.set()
 
 
-def body(**fields) -> api.CompletionRequest:
-    return api.CompletionRequest.model_validate({"model": "tiny", "prompt": "hello", "max_tokens": 2, **fields})
+async def collect(call) -> str:
+    """The whole answer's text, read as a surface reads it."""
+    return "".join([chunk.text async for chunk in call.chunks()])
 
 
 class Harness:
@@ -80,10 +81,10 @@ class Harness:
         self.slots = self.pipeline.control.hot_slots
         self.answers: list[asyncio.Task] = []
 
-    async def start(self, **fields):
+    async def start(self, service_tier: str | None = None, **fields):
         """Start a request; its answer is collected in the background. Returns the call (or raises OpenAIError)."""
-        call = await self.pipeline.start(COMPLETION, body(**fields))
-        self.answers.append(asyncio.create_task(self.pipeline.collect(call)))
+        call = await self.pipeline.start(COMPLETION, generation(**fields), service_tier=service_tier)
+        self.answers.append(asyncio.create_task(collect(call)))
         return call
 
     async def settle(self):
@@ -191,7 +192,7 @@ async def test_without_admission_the_pipeline_is_a_plain_pool():
     lanes = {"hot": HeldLane("hot"), "cold": HeldLane("cold")}
     pipeline, _, _ = make_pipeline(lanes, admission={"enabled": False})
     assert pipeline.control.hot_slots is None
-    calls = [await pipeline.start(COMPLETION, body()) for _ in range(20)]
+    calls = [await pipeline.start(COMPLETION, generation()) for _ in range(20)]
     assert all(c.lane is Lane.HOT for c in calls) and lanes["hot"].peak == 20
     for call in calls:
         call.stream.cancel()
@@ -212,7 +213,7 @@ async def test_a_request_whose_hot_slot_does_not_come_within_the_slo_is_decided_
 
 async def test_the_slot_is_free_when_the_lane_has_sent_its_last_chunk_not_when_the_client_has_read_it():
     h = Harness()
-    call = await h.pipeline.start(COMPLETION, body(stream=True))
+    call = await h.pipeline.start(COMPLETION, generation(stream=True))
     chunks = call.chunks()
     assert (await anext(chunks)).text == "a" and h.slots.in_flight == 1
     h.lanes["hot"].finish_one()
@@ -224,8 +225,8 @@ async def test_the_slot_is_free_when_the_lane_has_sent_its_last_chunk_not_when_t
 async def test_the_router_keeps_its_recent_ttft_per_class_and_lane():
     h = Harness()
     for _ in range(3):
-        call = await h.pipeline.start(COMPLETION, body(stream=True))
-        h.answers.append(asyncio.create_task(h.pipeline.collect(call)))
+        call = await h.pipeline.start(COMPLETION, generation(stream=True))
+        h.answers.append(asyncio.create_task(collect(call)))
     await h.start(stream=False)  # a whole answer at once has no TTFT of its own
     summary = h.pipeline.recent_ttft.summary()
     assert list(summary) == ["interactive"] and summary["interactive"]["hot"]["count"] == 3

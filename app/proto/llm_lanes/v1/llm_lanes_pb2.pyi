@@ -34,20 +34,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class CompletionRequest(_message.Message):
-    __slots__ = ("model", "prompt", "sampling", "request_class", "service_tier", "user")
+    __slots__ = ("model", "prompt", "sampling", "request_class", "service_tier", "user", "openai_fields")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_FIELDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     sampling: SamplingParams
     request_class: RequestClass
     service_tier: str
     user: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., service_tier: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
+    openai_fields: _struct_pb2.Struct
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., service_tier: _Optional[str] = ..., user: _Optional[str] = ..., openai_fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name")
@@ -60,20 +62,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatCompletionRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "request_class", "service_tier", "user")
+    __slots__ = ("model", "messages", "sampling", "request_class", "service_tier", "user", "openai_fields")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_FIELDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     request_class: RequestClass
     service_tier: str
     user: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., service_tier: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
+    openai_fields: _struct_pb2.Struct
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., service_tier: _Optional[str] = ..., user: _Optional[str] = ..., openai_fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_prompt_tokens")
@@ -98,7 +102,7 @@ class ServingInfo(_message.Message):
     def __init__(self, lane: _Optional[str] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., degraded_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CompletionResponse(_message.Message):
-    __slots__ = ("id", "model", "created", "text", "finish_reason", "usage", "serving")
+    __slots__ = ("id", "model", "created", "text", "finish_reason", "usage", "serving", "openai")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +110,7 @@ class CompletionResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     created: int
@@ -113,10 +118,11 @@ class CompletionResponse(_message.Message):
     finish_reason: str
     usage: Usage
     serving: ServingInfo
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ...) -> None: ...
+    openai: _struct_pb2.Struct
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., openai: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class CompletionChunk(_message.Message):
-    __slots__ = ("id", "model", "created", "text", "num_tokens", "finish_reason", "usage", "serving")
+    __slots__ = ("id", "model", "created", "text", "num_tokens", "finish_reason", "usage", "serving", "openai")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +131,7 @@ class CompletionChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     created: int
@@ -133,10 +140,11 @@ class CompletionChunk(_message.Message):
     finish_reason: str
     usage: Usage
     serving: ServingInfo
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ...) -> None: ...
+    openai: _struct_pb2.Struct
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., openai: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ChatCompletionResponse(_message.Message):
-    __slots__ = ("id", "model", "created", "message", "finish_reason", "usage", "serving")
+    __slots__ = ("id", "model", "created", "message", "finish_reason", "usage", "serving", "openai")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +152,7 @@ class ChatCompletionResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     created: int
@@ -151,10 +160,11 @@ class ChatCompletionResponse(_message.Message):
     finish_reason: str
     usage: Usage
     serving: ServingInfo
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ...) -> None: ...
+    openai: _struct_pb2.Struct
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., openai: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ChatCompletionChunk(_message.Message):
-    __slots__ = ("id", "model", "created", "role", "content", "num_tokens", "finish_reason", "usage", "serving")
+    __slots__ = ("id", "model", "created", "role", "content", "num_tokens", "finish_reason", "usage", "serving", "openai")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +174,7 @@ class ChatCompletionChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     created: int
@@ -173,7 +184,8 @@ class ChatCompletionChunk(_message.Message):
     finish_reason: str
     usage: Usage
     serving: ServingInfo
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., role: _Optional[str] = ..., content: _Optional[str] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ...) -> None: ...
+    openai: _struct_pb2.Struct
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., role: _Optional[str] = ..., content: _Optional[str] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., openai: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,468 @@
+"""The OpenAI-surface adapter: vLLM's own OpenAI protocol code at the Router. The only Router module that imports vllm.
+
+Design. vLLM's server answers a chat or completion request in three steps: its protocol models validate the body
+(`ChatCompletionRequest` / `CompletionRequest`), `OpenAIServingChat` / `OpenAIServingCompletion` render the prompt
+(chat template, tools, `OnlineRenderer`), turn the request into `SamplingParams` (`to_sampling_params`: penalties,
+logit_bias, top_k, seed, stop, n, logprobs, structured outputs from `response_format` and `tool_choice`), hand it to
+an `EngineClient.generate()`, and render the `RequestOutput`s they get back (n choices, logprobs, echo, tool calls
+through the configured `ToolParserManager` parser, reasoning content, usage). Ray Serve LLM runs those serving
+classes next to the engine in its LLMServer replica. Here the engine is one hop away, behind the Router's own
+mechanisms (classes, admission, prefix routing, spill, deadlines, decode handoff), so the Router runs vLLM's serving
+classes over a `_LaneEngineClient`: an engine client whose `generate()` is the request pipeline. The rendered token
+ids and vLLM's SamplingParams travel in the LaneRequest (opaque to the lanes' types); the lane's engine adapter
+(app/lanes/engine.py) hands them to its AsyncLLM unchanged and sends the RequestOutputs back in its LaneChunks; here
+they go into vLLM's renderers as if from a local engine. Every field vLLM's server honours is thereby honoured with
+the same meaning, and every body it refuses is refused with its status and parameter.
+
+What the Router adds around vLLM's code: the bounds checked before any tokenization (`check_bounds`), the request
+class from `service_tier` or the class header, the default max_tokens (`router.default_max_tokens` where vLLM's
+server would use the whole context), and the `x-llm-lanes-*` headers. A request whose answer the decode handoff
+cannot carry (more than one choice, logprobs, echo's prompt logprobs, structured output, penalties or a seed: the
+continuation is a new engine request) skips the handoff, and `x-llm-lanes-degraded` says so (`handoff_skipped`).
+
+vLLM versions. Written against vLLM 0.32 (the CPU build here); the GPU payload runs 0.26, whose wheel has the same
+layout for the protocol models, serving classes and renderers (`vllm.entrypoints.openai.chat_completion` /
+`completion` / `models`, `vllm.renderers.OnlineRenderer`). Where they differ (read from the 0.26 wheel, not run):
+`load_chat_template` is in `vllm.entrypoints.chat_utils` (0.32: `vllm.renderers.chat_utils`); `ErrorResponse` in
+`vllm.entrypoints.openai.engine.protocol` (0.32: `vllm.entrypoints.serve.engine.protocol`); `create_error_response`
+in `vllm.entrypoints.serve.utils.error_response` (0.32: `...serve.exception_handling.error_response`); 0.26 has no
+`clean_loc_for_param` (the parameter is then the field path without "body"); and OnlineRenderer and
+OpenAIServingChat lack 0.32's `tool_strict_level` and `trust_request_mm_kwargs`, so constructor arguments go
+through `_accepted()`. Only 0.32 is tested here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.config import AppConfig
+from app.lanes.engine import engine_args_dict
+from app.router import openai_api as api
+from app.router.endpoints import Answer, Endpoint, Generation
+
+logger = logging.getLogger(__name__)
+
+
+# Launches one Generation through the pipeline; returns the started LaneCall (its first chunk in hand).
+Launch = Callable[[Generation], Awaitable[Any]]
+
+
+@dataclass
+class _Scope:
+    """One client request while vLLM's serving code handles it: how to launch its prompts, and what happened."""
+
+    launch: Launch
+    calls: list[Any] = field(default_factory=list)
+    # Raised by a launch (before the answer started): the answer's status.
+    error: BaseException | None = None
+    # Raised by a lane call after its start: a stream ends with this error's event, not vLLM's generic one.
+    stream_error: api.OpenAIError | None = None
+    # The output generators handed to vLLM's code: closed with the answer, so a client who leaves ends its lane calls
+    # now (vLLM's stream generator does not close the generators it reads).
+    generators: list[Any] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for generator in self.generators:
+            try:
+                await generator.aclose()
+            except RuntimeError:  # still running in a task of vLLM's, which cancels it itself
+                pass
+
+
+_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("llm_lanes_openai_scope")
+
+
+def _import_vllm():
+    """vLLM's protocol and serving names (the same modules in 0.26 and 0.32)."""
+    import vllm.sampling_params as sampling
+    from vllm.entrypoints.openai.chat_completion import protocol as chat_protocol
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion import protocol as completion_protocol
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    return sampling, chat_protocol, completion_protocol, OpenAIServingChat, OpenAIServingCompletion
+
+
+def _error_response_type():
+    try:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+    return ErrorResponse
+
+
+def _create_error_response(error: Exception):
+    try:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.serve.utils.error_response import create_error_response
+    return create_error_response(error)
+
+
+def _load_chat_template(template: str | None):
+    try:
+        from vllm.renderers.chat_utils import load_chat_template
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.chat_utils import load_chat_template
+    return load_chat_template(template)
+
+
+def _accepted(constructor, **kwargs) -> dict[str, Any]:
+    """The keyword arguments `constructor` takes (vLLM's constructors gain options between versions)."""
+    parameters = inspect.signature(constructor).parameters
+    return {name: value for name, value in kwargs.items() if name in parameters}
+
+
+def handoff_blocker(params) -> str | None:
+    """Why a decode handoff's continuation (a new engine request whose prompt holds the tokens so far) would not
+    answer as one engine request does; None if it would."""
+    if params.n != 1:
+        return "n"
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        return "logprobs"
+    if getattr(params, "structured_outputs", None) is not None or getattr(params, "guided_decoding", None) is not None:
+        return "structured_output"
+    if params.seed is not None:
+        return "seed"
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        return "penalties"
+    if params.logit_bias or getattr(params, "allowed_token_ids", None) or params.min_tokens:
+        return "logit_bias"
+    if params.stop or params.stop_token_ids:
+        return "stop"
+    return None
+
+
+class _LaneEngineClient:
+    """The engine client vLLM's serving classes call: model and renderer from the Router's VllmConfig, and
+    generate() through the request pipeline (the _Scope of the request being served)."""
+
+    errored = False
+    dead_error = None
+    is_running = True
+
+    def __init__(self, vllm_config, renderer):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+        # Engine-side input processing (logit_bias ids, max logprobs, grammar compile) happens in the lane's AsyncLLM.
+        self.input_processor = None
+
+    def check_admission(self, n: int = 1) -> None:
+        """Admission is the pipeline's (per class, with 429 + Retry-After), at launch."""
+
+    def generate(self, engine_input, sampling_params, request_id: str, **kwargs):
+        scope = _SCOPE.get()
+        outputs = _outputs(scope, engine_input, sampling_params, request_id, kwargs)
+        scope.generators.append(outputs)
+        return outputs
+
+
+async def _outputs(scope: _Scope, engine_input, params, request_id: str, kwargs: dict) -> AsyncIterator[Any]:
+    """The RequestOutputs of one prompt, from the lane call the pipeline starts for it."""
+    from vllm.sampling_params import RequestOutputKind
+
+    token_ids = list(engine_input["prompt_token_ids"])
+    engine_kwargs = {k: v for k, v in kwargs.items()
+                     if k in ("reasoning_ended", "reasoning_parser_kwargs") and v is not None}
+    generation = Generation(request_id=request_id, prompt_token_ids=token_ids, max_tokens=params.max_tokens,
+                            stop=tuple(params.stop or ()), stream=params.output_kind != RequestOutputKind.FINAL_ONLY,
+                            engine_params=params, engine_kwargs=engine_kwargs, handoff_blocker=handoff_blocker(params))
+    try:
+        call = await scope.launch(generation)
+    except BaseException as error:
+        scope.error = error
+        raise
+    scope.calls.append(call)
+    folded = None
+    cached_tokens = None
+    try:
+        # Closed with this generator (client gone): the lane call ends, which aborts the engine request.
+        async with contextlib.aclosing(call.chunks()) as chunks:
+            async for chunk in chunks:
+                for output in _client_outputs(chunk, token_ids, cached_tokens):
+                    if cached_tokens is None:
+                        cached_tokens = output.num_cached_tokens
+                    if generation.stream:
+                        yield output
+                    elif folded is None:
+                        folded = output
+                    else:
+                        folded.add(output, aggregate=True)
+    except api.OpenAIError as error:
+        scope.stream_error = error
+        raise
+    if folded is not None:
+        yield folded
+
+
+def _client_outputs(chunk, token_ids: list[int], cached_tokens: int | None) -> list[Any]:
+    """A lane chunk's RequestOutput as the client's engine would have sent it."""
+    output = chunk.output
+    if output is None:
+        return []
+    # The lane strips the prompt from its outputs (one copy per chunk would cross Ray); a decode handoff's
+    # continuation has the hot part's tokens in its prompt: the client's prompt is this one either way.
+    output.prompt_token_ids = token_ids
+    if cached_tokens is not None:
+        output.num_cached_tokens = cached_tokens
+    if chunk.finish_reason is None and output.finished:
+        # The hot part of a decode handoff ended at the handoff point: the answer goes on.
+        output.finished = False
+        for completion in output.outputs:
+            completion.finish_reason = completion.stop_reason = None
+    return [output]
+
+
+def _error_from_response(error_response) -> api.OpenAIError:
+    """vLLM's ErrorResponse -> our OpenAIError (same status, message and parameter)."""
+    info = error_response.error
+    status = int(info.code)
+    code = {400: "invalid_value", 404: "model_not_found"}.get(status)  # vLLM's code is the status itself
+    return api.OpenAIError(status, info.message, type="invalid_request_error" if status < 500 else "server_error",
+                           param=info.param, code=code)
+
+
+def _error_from_exception(error: Exception) -> api.OpenAIError:
+    """What vLLM's server answers for an exception its serving code raises (its exception handlers' mapping)."""
+    return _error_from_response(_create_error_response(error))
+
+
+class OpenAISurface:
+    """vLLM's OpenAI serving classes over the request pipeline, for one served model."""
+
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        (self._sampling, self._chat_protocol, self._completion_protocol, serving_chat,
+         serving_completion) = _import_vllm()
+        self._build_serving(serving_chat, serving_completion)
+        import vllm
+
+        self.vllm_version = vllm.__version__
+        self.tokenizer = self.renderer.tokenizer
+        # The longest text one token stands for: a prompt's token count is at least its length over this.
+        self.max_token_chars = max(
+            (len(t) for t in self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))), default=1)
+
+    def _build_serving(self, serving_chat, serving_completion) -> None:
+        """The Router's VllmConfig (model only: no engine here) and the serving classes over it, as vLLM's
+        CPU-only render server builds them (vllm/entrypoints/launchers/render). 0.32's constructors."""
+        from vllm import AsyncEngineArgs, envs
+        from vllm.config import VllmConfig
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+        from vllm.renderers import renderer_from_config
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        cfg, model = self.cfg, self.cfg.model
+        args = engine_args_dict(cfg, cfg.hot_lane.engine)
+        args.pop("kv_events_config", None)
+        engine_args = AsyncEngineArgs(**args, reasoning_parser=model.reasoning_parser or "")
+        model_config = engine_args.create_model_config()
+        model_config.quantization = None  # rendering only: no kernels here
+        envs.VLLM_CPU_KVCACHE_SPACE = 0  # no KV cache here either (silences the CPU platform's check)
+        vllm_config = VllmConfig(model_config=model_config,
+                                 structured_outputs_config=engine_args.create_structured_outputs_config())
+        self.renderer = renderer_from_config(vllm_config)
+        self.engine_client = _LaneEngineClient(vllm_config, self.renderer)
+        chat_template = _load_chat_template(model.chat_template)
+        self.models = OpenAIServingModels(engine_client=self.engine_client,
+                                          base_model_paths=[BaseModelPath(name=model.served_name,
+                                                                          model_path=model.source)])
+        common = dict(chat_template=chat_template, chat_template_content_format="auto",
+                      enable_auto_tools=model.enable_auto_tool_choice, tool_parser=model.tool_call_parser,
+                      reasoning_parser=model.reasoning_parser or "")
+        self.online_renderer = OnlineRenderer(model_config, self.renderer, **_accepted(
+            OnlineRenderer, request_logger=None, trust_request_chat_template=False, trust_request_mm_kwargs=False,
+            exclude_tools_when_tool_choice_none=False, tool_strict_level="auto", default_chat_template_kwargs=None,
+            log_error_stack=False, **common))
+        if hasattr(self.online_renderer, "warmup"):  # 0.32: loads the template and parsers now, not at a request
+            self.online_renderer.warmup()
+        self.chat = serving_chat(self.engine_client, self.models, "assistant", **_accepted(
+            serving_chat, online_renderer=self.online_renderer, request_logger=None,
+            enable_prompt_tokens_details=True, **common))
+        self.completion = serving_completion(self.engine_client, self.models, online_renderer=self.online_renderer,
+                                             request_logger=None, enable_prompt_tokens_details=True)
+        self.tokenization = ServingTokenization(self.models, self.online_renderer, request_logger=None,
+                                                chat_template=chat_template, chat_template_content_format="auto")
+        for serving in (self.chat, self.completion):
+            # Without max_tokens the answer is router.default_max_tokens long at most, not the whole context.
+            serving.default_sampling_params.setdefault("max_tokens", cfg.router.default_max_tokens)
+
+    # ---- parse -----------------------------------------------------------------------------------------------------
+
+    def request_model(self, endpoint: Endpoint):
+        if endpoint.chat:
+            return self._chat_protocol.ChatCompletionRequest
+        return self._completion_protocol.CompletionRequest
+
+    def parse(self, endpoint: Endpoint, body: Any):
+        """A JSON body -> vLLM's request model; 400 naming the parameter for what vLLM's server refuses."""
+        if not isinstance(body, dict):
+            raise api.OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+        bad = next((key for key, value in body.items() if api.has_lone_surrogate(value)), None)
+        if bad is not None:
+            raise api.OpenAIError(400, f"{bad}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                                  param=bad, code="invalid_value")
+        try:
+            request = self.request_model(endpoint).model_validate(body)
+        except ValidationError as error:
+            raise _validation_error(error) from None
+        except Exception as error:  # vLLM's own checks (VLLMValidationError and the like) outside pydantic's
+            raise _error_from_exception(error) from None
+        if getattr(request, "priority", 0):
+            # The request class sets the engine priority here (realtime, interactive, batch; spills adjust it).
+            raise api.OpenAIError(400, "priority: the engine priority follows the request class here: ask for a "
+                                       "class with service_tier or the X-Request-Class header",
+                                  param="priority", code="unsupported_parameter")
+        return request
+
+    def check_bounds(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
+        """Refuse, before any tokenization, what is certainly over the limits: too many messages, or a prompt
+        whose text needs more than max_model_len tokens even if every token were the vocabulary's longest."""
+        limit = self.cfg.model.max_model_len
+        if endpoint.chat:
+            messages = body.get("messages")
+            if isinstance(messages, list) and len(messages) > self.cfg.router.max_messages:
+                raise api.OpenAIError(400, f"messages: {len(messages)} messages is more than this server takes "
+                                           f"({self.cfg.router.max_messages}, router.max_messages)",
+                                      param="messages", code="too_many_messages")
+            chars = _text_chars(messages)
+        else:
+            chars = _text_chars(body.get("prompt"))
+        if chars // self.max_token_chars > limit:
+            raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the "
+                                       f"{endpoint.prompt_param} ({chars} characters) needs at least "
+                                       f"{chars // self.max_token_chars}: shorten it",
+                                  param=endpoint.prompt_param, code="context_length_exceeded")
+
+    # ---- answer ----------------------------------------------------------------------------------------------------
+
+    async def answer(self, endpoint: Endpoint, request, launch: Launch) -> Answer:
+        """vLLM's serving code on `request`, each prompt launched through `launch` (the pipeline). Raises
+        OpenAIError with the status vLLM's server, or the pipeline (429, 503, 504...), answers."""
+        scope = _Scope(launch)
+        token = _SCOPE.set(scope)
+        try:
+            if endpoint.chat:
+                result = await self.chat.create_chat_completion(request, None)
+            else:
+                result = await self.completion.create_completion(request, None)
+        except api.OpenAIError:
+            raise
+        except Exception as error:
+            if scope.error is not None:
+                raise scope.error from None
+            raise _error_from_exception(error) from None
+        finally:
+            _SCOPE.reset(token)
+        if scope.error is not None:
+            raise scope.error
+        if isinstance(result, _error_response_type()):
+            raise _error_from_response(result)
+        if hasattr(result, "model_dump"):
+            return Answer(scope.calls, response=result.model_dump(mode="json", exclude_none=False))
+        # A stream: its first event comes after the first prompt started on its lane (or failed to).
+        try:
+            first = await anext(result)
+        except StopAsyncIteration:
+            first = None
+        if scope.error is not None:
+            await result.aclose()
+            await scope.close()
+            raise scope.error
+        return Answer(scope.calls, events=_events(first, result, scope))
+
+    # ---- tokenize / detokenize -------------------------------------------------------------------------------------
+
+    async def tokenize(self, body: Any) -> dict[str, Any]:
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+
+        model = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+        return await self._tokenization_call(model, body, self.tokenization.create_tokenize)
+
+    async def detokenize(self, body: Any) -> dict[str, Any]:
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        return await self._tokenization_call(DetokenizeRequest, body, self.tokenization.create_detokenize)
+
+    async def _tokenization_call(self, model, body: Any, call) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise api.OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+        if api.has_lone_surrogate(body):
+            raise api.OpenAIError(400, "the body holds a lone UTF-16 surrogate, which is not text")
+        try:
+            request = model.model_validate(body)
+            result = await call(request, None)
+        except ValidationError as error:
+            raise _validation_error(error) from None
+        except api.OpenAIError:
+            raise
+        except Exception as error:
+            raise _error_from_exception(error) from None
+        if isinstance(result, _error_response_type()):
+            raise _error_from_response(result)
+        return result.model_dump(mode="json")
+
+
+async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) -> AsyncIterator[str]:
+    """vLLM's SSE events; a lane's failure mid-stream ends them with its own error event (status, code, Retry-After
+    reason) in place of vLLM's generic one."""
+    try:
+        if first is not None:
+            yield first
+        async for event in rest:
+            if scope.stream_error is not None and event.startswith("data: {\"error\""):
+                yield f"data: {json.dumps(scope.stream_error.body())}\n\n"
+                return
+            yield event
+    finally:
+        await rest.aclose()
+        await scope.close()
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a prompt or messages (strings anywhere inside; token ids count as none)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    return 0
+
+
+def _validation_error(error: ValidationError) -> api.OpenAIError:
+    """pydantic's errors on vLLM's request model -> one 400 naming the first parameter, as vLLM's server does."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+    except ImportError:  # vLLM 0.26
+        def clean_loc_for_param(loc: tuple) -> str:
+            return ".".join(str(part) for part in loc if part != "body")
+
+    errors = error.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    context_error = (first.get("ctx") or {}).get("error")
+    param = getattr(context_error, "parameter", None) if isinstance(context_error, VLLMValidationError) else None
+    if param is None and first.get("loc"):
+        param = clean_loc_for_param(tuple(first["loc"]))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return api.OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+def sse_json(event: str) -> dict[str, Any] | None:
+    """One SSE event of vLLM's stream -> its JSON object (None for the final [DONE])."""
+    data = event.removeprefix("data: ").strip()
+    return None if data == "[DONE]" else json.loads(data)
