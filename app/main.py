@@ -1,7 +1,7 @@
 """build_app(args) -> the llm-lanes Serve application. A pure builder: nothing happens at import.
 
 Serve configs point here (`import_path: app.main:build_app`) and pass the `args:` block, which is validated once
-against app/config.py before anything is built.
+against app/config/ before anything is built.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ run_serving_phase() {
   fi
   if ! validate_config "$config" >"$dir/config-check.txt" 2>&1; then
     write_phase_json "$dir" "$label" "$config" "config_invalid" false
-    log "[$label] config does not validate against app/config.py: $(tail -3 "$dir/config-check.txt" | tr '\n' ' ')"
+    log "[$label] config does not validate against app/config/: $(tail -3 "$dir/config-check.txt" | tr '\n' ' ')"
     return 1
   fi
   ensure_model || { write_phase_json "$dir" "$label" "$config" "model_failed" false; return 1; }

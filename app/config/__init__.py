@@ -1,4 +1,5 @@
-"""The one configuration schema of llm-lanes.
+"""The one configuration schema of llm-lanes: AppConfig and its blocks (the lanes', auth and observability blocks in
+modules of their own beside this one, all re-exported here).
 
 Every serve config's `args:` block is validated here once, by `AppConfig.model_validate`, before any deployment is
 built. Errors name the field and say how to fix it. Nothing in the app reads hidden environment variables; what is
@@ -7,42 +8,19 @@ configurable lives here.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
-# vLLM's CPU attention backend works on blocks that are a multiple of 32 tokens (measured, see DESIGN.md).
-CPU_BLOCK_MULTIPLE = 32
-# The tuning guide asks for health checks that answer in under 5 s.
-MAX_HEALTH_CHECK_PERIOD_S = 5.0
-
-
-def parse_cpu_list(cpus: str) -> set[int]:
-    """"0", "0-3", "0,2,4-5" (the kernel's and vLLM's CPU-list syntax) -> {0, ...}; ValueError on anything else."""
-    found: set[int] = set()
-    for part in cpus.split(","):
-        part = part.strip()
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise ValueError(f"{cpus!r} is not a CPU list: use e.g. \"0\", \"0-3\" or \"0,2\"")
-        first, last = int(low), int(high) if dash else int(low)
-        if last < first:
-            raise ValueError(f"{cpus!r}: range {part!r} runs backwards")
-        found.update(range(first, last + 1))
-    return found
-
-
-def is_postgres_url(location: str) -> bool:
-    """batch.store: a postgresql:// (or postgres://) URL names a PostgreSQL database; anything else a SQLite file."""
-    return location.startswith(("postgresql://", "postgres://"))
-
-
-class StrictModel(BaseModel):
-    """Unknown keys are rejected: a typo in a serve config must fail loudly, not be ignored."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# Re-exported: the app imports the whole schema from app.config.
+from app.config.base import (  # noqa: F401
+    ALLOWED_BLOCK_SIZES, CPU_BLOCK_MULTIPLE, MAX_HEALTH_CHECK_PERIOD_S, StrictModel, is_postgres_url, parse_cpu_list,
+)
+from app.config.lanes import (  # noqa: F401
+    AutoscalingSettings, EngineSettings, LaneConfig, LaneDeploymentSettings, QueueDepthTargets,
+)
+from app.config.observability import TRACING_EXPORTERS, ObservabilityConfig, TracingConfig  # noqa: F401
+from app.config.security import REQUEST_CLASS_NAMES, TENANT_PATTERN, ApiKeyConfig, AuthConfig  # noqa: F401
 
 
 class ModelConfig(StrictModel):
@@ -70,162 +48,6 @@ class ModelConfig(StrictModel):
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer or self.source
-
-
-class EngineSettings(StrictModel):
-    """The vLLM engine arguments llm-lanes supports, per lane. `extra_engine_args` passes anything else through."""
-
-    tensor_parallel_size: int = Field(1, ge=1)
-    block_size: int = 32
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    gpu_memory_utilization: float = 0.85
-    enable_prefix_caching: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "priority"
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    kv_cache_memory_bytes: int | None = Field(None, gt=0)
-    speculative_config: dict[str, Any] | None = None
-    # Tokens per streamed chunk after the first (which is never held back). Every chunk is one Ray object on its way
-    # through the Router, so 1 can make the Router, not the engine, the bottleneck of fast small models.
-    stream_interval: int = Field(1, ge=1)
-    # vLLM-CPU pins an engine's worker threads (VLLM_CPU_OMP_THREADS_BIND); two engines on one host need
-    # disjoint bindings or they share one core. Ignored on GPU.
-    cpu_threads_bind: str | None = None
-    # OS niceness (0-19) of the engine's processes. Ray starts its workers at 15; on a CPU host a batch engine at
-    # 16-19 still gets every idle cycle but yields the cores to the HTTP proxy, the Router and the hot lane when they
-    # need one (app/lanes/cpu_priority.py; measured in docs/benchmarks.md). 0 leaves them as Ray started them.
-    cpu_nice: int = Field(0, ge=0, le=19)
-    # Cores for the lane replica's own process and the engine-core process it starts (vLLM's frontend and scheduler),
-    # e.g. "0": on a CPU host, keeps them off the worker's cpu_threads_bind cores, which they otherwise share at
-    # random (app/lanes/cpu_priority.py). None leaves them to the OS. Ignored on GPU.
-    cpu_frontend_bind: str | None = None
-    # Cores for the engine-core process alone, e.g. the worker's own core: the scheduler and the worker take turns
-    # (each waits for the other every step), so they share a core at little cost, and the frontend, the Router and
-    # the other lane on the remaining cores no longer delay every step. None: the engine core goes with the frontend.
-    cpu_engine_core_bind: str | None = None
-    # Largest step (in tokens) that vLLM runs as a CUDA graph. vLLM's default is 2 x max_num_seqs (capped at 512),
-    # made for decode batches: a hot lane with max_num_seqs 32 ran every 112-288-token prefill without graphs,
-    # ~hundreds of kernel launches each. 512 took realtime TTFT p50 from ~42 to ~30 ms on the H200 (round 9,
-    # docs/benchmarks-gpu.md). Each captured size costs start-up time and a little GPU memory. GPU only.
-    cuda_graph_max_tokens: int | None = Field(None, ge=1, le=8192)
-    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check(self) -> "EngineSettings":
-        if self.block_size not in ALLOWED_BLOCK_SIZES:
-            raise ValueError(
-                f"block_size={self.block_size} is not supported: use a power of two in {list(ALLOWED_BLOCK_SIZES)}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 0.95:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range: "
-                "use a fraction in (0, 0.95]; above 0.95 leaves no room for activations and CUDA graphs"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
-                "raise max_num_batched_tokens to at least max_num_seqs (every running sequence needs a token per step)"
-            )
-        for setting in ("cpu_frontend_bind", "cpu_engine_core_bind"):
-            if getattr(self, setting) is not None:
-                try:
-                    parse_cpu_list(getattr(self, setting))
-                except ValueError as error:
-                    raise ValueError(f"{setting}: {error}") from None
-        if self.cuda_graph_max_tokens is not None and "max_cudagraph_capture_size" in (
-                self.extra_engine_args.get("compilation_config") or {}):
-            raise ValueError(
-                "cuda_graph_max_tokens and extra_engine_args.compilation_config.max_cudagraph_capture_size both "
-                "set: keep cuda_graph_max_tokens and drop the other")
-        if self.cuda_graph_max_tokens is not None and self.enforce_eager:
-            raise ValueError("cuda_graph_max_tokens is set but enforce_eager: true captures no CUDA graphs: "
-                             "drop one of them")
-        clash = set(self.extra_engine_args) & set(type(self).model_fields)
-        if clash:
-            raise ValueError(
-                f"extra_engine_args repeats {sorted(clash)}: set them as first-class fields of the lane's engine"
-            )
-        return self
-
-
-class QueueDepthTargets(StrictModel):
-    """The cold lane's queue-depth policy (app.batch.autoscaling): one replica per this much backlog."""
-
-    target_lines_per_replica: float = Field(256, gt=0)
-    target_backlog_tokens_per_replica: float = Field(262_144, gt=0)
-    target_waiting_per_replica: float = Field(8, gt=0)
-    target_ongoing_per_replica: float = Field(32, gt=0)
-    scale_to_zero: bool = False
-
-
-class AutoscalingSettings(StrictModel):
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(2, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(16, gt=0)
-    upscale_delay_s: float = Field(10, ge=0)
-    downscale_delay_s: float = Field(60, ge=0)
-    # How often replicas report autoscaling metrics (custom ones included) and over how long Ray averages them.
-    metrics_interval_s: float = Field(10, gt=0)
-    look_back_period_s: float = Field(30, gt=0)
-    # Set: replicas follow the batch backlog and engine queues (custom Ray Serve policy); unset: Ray's default
-    # policy on ongoing requests (target_ongoing_requests).
-    queue_depth: QueueDepthTargets | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "AutoscalingSettings":
-        if self.queue_depth and self.queue_depth.scale_to_zero != (self.min_replicas == 0):
-            raise ValueError(
-                "queue_depth.scale_to_zero and min_replicas disagree: scale to zero needs min_replicas 0 "
-                "(and min_replicas 0 needs scale_to_zero true)"
-            )
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}: lower min_replicas "
-                "or raise max_replicas"
-            )
-        return self
-
-
-class LaneDeploymentSettings(StrictModel):
-    """How Ray Serve runs a lane's replicas."""
-
-    num_replicas: int = Field(1, ge=1)
-    autoscaling: AutoscalingSettings | None = None
-    num_cpus: float = Field(1, ge=0)
-    # Fraction of a GPU per replica when tensor_parallel_size == 1 (e.g. 0.5 to share one GPU between lanes).
-    # With tensor_parallel_size > 1 the replica gets a placement group of whole GPUs instead.
-    num_gpus: float = Field(0, ge=0)
-    max_ongoing_requests: int = Field(256, ge=1)
-    health_check_period_s: float = Field(3, gt=0)
-    health_check_timeout_s: float = Field(30, gt=0)
-    graceful_shutdown_timeout_s: float = Field(20, ge=0)
-    placement_group_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
-    # Environment of the lane's replica processes (and the engine processes they start), e.g.
-    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE to cap this lane's share of the GPU's SMs under the CUDA MPS daemon.
-    env_vars: dict[str, str] = Field(default_factory=dict)
-
-    @property
-    def min_replicas(self) -> int:
-        """Replicas the lane has at its smallest: autoscaling.min_replicas when it autoscales, else num_replicas."""
-        return self.autoscaling.min_replicas if self.autoscaling else self.num_replicas
-
-    @model_validator(mode="after")
-    def _check(self) -> "LaneDeploymentSettings":
-        if self.health_check_period_s >= MAX_HEALTH_CHECK_PERIOD_S:
-            raise ValueError(
-                f"health_check_period_s={self.health_check_period_s} is too slow: use less than "
-                f"{MAX_HEALTH_CHECK_PERIOD_S} s (the tuning guide's health-check rule)"
-            )
-        return self
-
-
-class LaneConfig(StrictModel):
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    deployment: LaneDeploymentSettings = Field(default_factory=LaneDeploymentSettings)
-    # Completions asking for more are clipped to this, not refused (None: only max_model_len limits).
-    max_tokens_cap: int | None = Field(None, ge=1)
 
 
 class BreakerConfig(StrictModel):
@@ -415,86 +237,6 @@ def check_batch_store(cfg: "AppConfig") -> None:
 
 
 # The exporters app.observability.tracing builds (a unit test checks they match TracingConfig.exporter's values).
-TRACING_EXPORTERS = ("none", "console", "otlp", "file", "memory")
-
-
-class TracingConfig(StrictModel):
-    """OpenTelemetry tracing (app.observability.tracing.setup_tracing; one trace per request)."""
-
-    exporter: Literal["none", "console", "otlp", "file", "memory"] = Field(
-        "none", description="none: no provider at all (tracing costs nothing); otlp: OTLP/HTTP to otlp_endpoint; "
-                            "file: JSON lines to file_path (tests); console; memory (unit tests)."
-    )
-    otlp_endpoint: str | None = Field(None, description="e.g. http://otel-collector:4318/v1/traces")
-    file_path: str | None = Field(None, description="file exporter: one JSON line per span, appended.")
-    sample_ratio: float = Field(1.0, ge=0, le=1, description="Head sampling at the Router; the rest follow it.")
-    service_name: str = Field("llm-lanes", min_length=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> "TracingConfig":
-        if self.exporter == "otlp" and not self.otlp_endpoint:
-            raise ValueError("exporter 'otlp' needs otlp_endpoint (e.g. http://otel-collector:4318/v1/traces)")
-        if self.exporter == "file" and not self.file_path:
-            raise ValueError("exporter 'file' needs file_path (e.g. /tmp/llm-lanes-spans.jsonl)")
-        return self
-
-
-class ObservabilityConfig(StrictModel):
-    tracing: TracingConfig = Field(default_factory=TracingConfig)
-    # vLLM's own engine metrics (ray_vllm_*) through its RayPrometheusStatLogger on Ray's metrics port.
-    vllm_metrics: bool = True
-
-REQUEST_CLASS_NAMES = ("realtime", "interactive", "batch")
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-
-
-class ApiKeyConfig(StrictModel):
-    """One API key, stored as the SHA-256 of the key (hex): `printf %s "$KEY" | sha256sum`."""
-
-    sha256: str = Field(description="Hex SHA-256 of the key; the key itself is never stored or logged.")
-    tenant: str = Field(pattern=TENANT_PATTERN, description="Owns the key's files and batches.")
-    name: str | None = Field(None, pattern=TENANT_PATTERN, description="In logs; default: its hash's first 8 digits.")
-    classes: list[Literal["realtime", "interactive", "batch"]] = Field(
-        default_factory=lambda: list(REQUEST_CLASS_NAMES),
-        description="Request classes the key may use; another class is refused with 403.")
-    admin: bool = Field(False, description="May call /v1/admin/* and gRPC GetStats.")
-    # Over either: 429 (None: no limit). Tokens: prompt + max_tokens at admission, the ungenerated given back.
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> "ApiKeyConfig":
-        if not SHA256_HEX.match(self.sha256):
-            raise ValueError("sha256 must be 64 lower-case hex digits: the SHA-256 of the key "
-                             "(printf %s \"$KEY\" | sha256sum), never the key itself")
-        if not self.classes:
-            raise ValueError("classes is empty: a key must be allowed at least one request class")
-        return self
-
-
-class AuthConfig(StrictModel):
-    """API keys (app/router/auth.py). The keys come from `keys`, `keys_file` and `keys_env` together."""
-
-    # keys: every request needs a key (none configured: the Router does not start); none: no keys, a warning.
-    mode: Literal["keys", "none"] = "keys"
-    keys: list[ApiKeyConfig] = Field(default_factory=list)
-    # More keys, read when each Router replica starts (e.g. from a Kubernetes secret): a YAML or JSON file of a list
-    # of keys, and an environment variable of the Router replicas holding a JSON list of keys.
-    keys_file: str | None = None
-    keys_env: str | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "AuthConfig":
-        if self.mode == "none" and (self.keys or self.keys_file or self.keys_env):
-            raise ValueError("mode 'none' would ignore the keys given: set mode: keys, or drop keys, keys_file and "
-                             "keys_env")
-        hashes = [key.sha256 for key in self.keys]
-        if len(hashes) != len(set(hashes)):
-            raise ValueError("the same key (sha256) is listed twice: keep one entry per key")
-        return self
-
-
 class AppConfig(StrictModel):
     """The `args:` of a serve config (`import_path: app.main:build_app`)."""
 
@@ -634,7 +376,7 @@ def format_validation_error(error: ValidationError) -> str:
         path = ".".join(str(p) for p in item["loc"]) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown key; check its spelling against app/config.py"
+            message = "unknown key; check its spelling against app/config/"
         lines.append(f"{path}: {message}")
     return "\n".join(lines)
 

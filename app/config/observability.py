@@ -1,0 +1,40 @@
+"""observability: tracing and metrics settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from app.config.base import StrictModel
+
+
+TRACING_EXPORTERS = ("none", "console", "otlp", "file", "memory")
+
+
+class TracingConfig(StrictModel):
+    """OpenTelemetry tracing (app.observability.tracing.setup_tracing; one trace per request)."""
+
+    exporter: Literal["none", "console", "otlp", "file", "memory"] = Field(
+        "none", description="none: no provider at all (tracing costs nothing); otlp: OTLP/HTTP to otlp_endpoint; "
+                            "file: JSON lines to file_path (tests); console; memory (unit tests)."
+    )
+    otlp_endpoint: str | None = Field(None, description="e.g. http://otel-collector:4318/v1/traces")
+    file_path: str | None = Field(None, description="file exporter: one JSON line per span, appended.")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Head sampling at the Router; the rest follow it.")
+    service_name: str = Field("llm-lanes", min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TracingConfig":
+        if self.exporter == "otlp" and not self.otlp_endpoint:
+            raise ValueError("exporter 'otlp' needs otlp_endpoint (e.g. http://otel-collector:4318/v1/traces)")
+        if self.exporter == "file" and not self.file_path:
+            raise ValueError("exporter 'file' needs file_path (e.g. /tmp/llm-lanes-spans.jsonl)")
+        return self
+
+
+class ObservabilityConfig(StrictModel):
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    # vLLM's own engine metrics (ray_vllm_*) through its RayPrometheusStatLogger on Ray's metrics port.
+    vllm_metrics: bool = True
+
