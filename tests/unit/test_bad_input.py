@@ -276,7 +276,7 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing_it(router):
 
 def test_a_body_over_the_limit_is_413_before_it_is_parsed(tmp_path):
     app = make_http_app()
-    router = make_router(tmp_path, router={"max_body_bytes": 4096})
+    router = make_router(tmp_path, router={"max_request_bytes": 4096})
     HTTP_ROUTES["completions"](app)(router.completions)
     with TestClient(app) as client:
         response = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}',

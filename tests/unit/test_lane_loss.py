@@ -6,26 +6,26 @@ from __future__ import annotations
 import pytest
 
 from app.classes import Lane
-from app.lanes.types import LaneChunk, LaneReplicaLost
+from app.lanes.types import LaneReplicaLost
 from app.router import openai_api as api
 from app.router.endpoints import CHAT, COMPLETION
-from app.router.http_api import sse_events
 from app.router.lane_call import LANE_LOSS_RETRIES
-from tests.fakes import FakeLane, make_pipeline
+from tests.fakes import FakeLane, lane_chunks, make_pipeline
 
 
 class LostStream:
     """A call on a replica that dies after `chunks_before` chunks."""
 
-    def __init__(self, chunks_before: int, prompt: int):
-        self.sent, self.chunks_before, self.prompt = 0, chunks_before, prompt
+    def __init__(self, request, chunks_before: int):
+        self.chunks = lane_chunks(request, "hot")
+        self.sent, self.chunks_before = 0, chunks_before
         self.cancelled = False
 
     async def __anext__(self):
         if self.sent >= self.chunks_before:
             raise LaneReplicaLost("the lane replica is gone: ActorDiedError")
         self.sent += 1
-        return LaneChunk(text="ab", completion_tokens=2 * self.sent, prompt_tokens=self.prompt, lane="hot")
+        return self.chunks[self.sent - 1]
 
     def cancel(self):
         self.cancelled = True
@@ -41,29 +41,28 @@ class LosingLane(FakeLane):
     def remote(self, request):
         if len(self.requests) < self.losses:
             self.requests.append(request)
-            return LostStream(self.chunks_before, len(request.prompt_token_ids))
+            return LostStream(request, self.chunks_before)
         return super().remote(request)
 
 
-def completion(**fields) -> api.CompletionRequest:
-    return api.CompletionRequest.model_validate({"model": "tiny", "prompt": "hello", "max_tokens": 6, **fields})
+def completion(**fields) -> dict:
+    return {"model": "tiny", "prompt": "hello", "max_tokens": 6, **fields}
 
 
 async def test_a_request_lost_before_its_first_token_is_started_again():
     lanes = {"hot": LosingLane("hot", losses=1), "cold": FakeLane("cold")}
     pipeline, _, _ = make_pipeline(lanes)
-    call = await pipeline.start(COMPLETION, completion())
-    answer = await pipeline.collect(call)
-    assert answer["choices"][0]["text"] == "abcdef"
+    answer = await pipeline.answer(COMPLETION, completion())
+    assert answer.response["choices"][0]["text"] == "abcdef"
     assert len(lanes["hot"].requests) == 2  # the lost call, then the one that answered
-    assert call.lane is Lane.HOT and pipeline.control.breaker_states()["hot"] == "closed"
+    assert answer.calls[0].lane is Lane.HOT and pipeline.control.breaker_states()["hot"] == "closed"
 
 
 async def test_a_lane_losing_every_replica_answers_503_after_the_retries():
     lanes = {"hot": LosingLane("hot", losses=100), "cold": FakeLane("cold")}
     pipeline, _, _ = make_pipeline(lanes, admission={"breaker": {"failure_threshold": 10}})
     with pytest.raises(api.OpenAIError) as refused:
-        await pipeline.start(COMPLETION, completion())
+        await pipeline.answer(COMPLETION, completion())
     assert refused.value.status == 503 and refused.value.body()["error"]["code"] == "lane_unavailable"
     assert len(lanes["hot"].requests) == LANE_LOSS_RETRIES + 1
 
@@ -71,19 +70,19 @@ async def test_a_lane_losing_every_replica_answers_503_after_the_retries():
 async def test_losses_that_open_the_breaker_move_interactive_work_to_the_other_lane():
     lanes = {"hot": LosingLane("hot", losses=100), "cold": FakeLane("cold")}
     pipeline, _, _ = make_pipeline(lanes, admission={"breaker": {"failure_threshold": 2}})
-    call = await pipeline.start(COMPLETION, completion())
+    answer = await pipeline.answer(COMPLETION, completion())
+    call = answer.calls[0]
     assert call.lane is Lane.COLD and "hot_breaker_open" in call.context.reasons
-    assert (await pipeline.collect(call))["choices"][0]["text"] == "abcdef"
+    assert answer.response["choices"][0]["text"] == "abcdef"
     assert len(lanes["hot"].requests) == 2
 
 
 async def test_a_started_stream_whose_replica_is_lost_ends_with_an_openai_error_event():
     lanes = {"hot": LosingLane("hot", losses=1, chunks_before=1), "cold": FakeLane("cold")}
     pipeline, _, _ = make_pipeline(lanes)
-    body = api.ChatCompletionRequest.model_validate(
-        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True})
-    call = await pipeline.start(CHAT, body)
-    events = [event async for event in sse_events(pipeline, call, include_usage=False)]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+    answer = await pipeline.answer(CHAT, body)
+    events = [event async for event in answer.events]
     assert len(lanes["hot"].requests) == 1  # started: never run twice
     assert '"error"' in events[-1] and "lane_unavailable" in events[-1] and "[DONE]" not in events[-1]
     assert any('"ab"' in event for event in events[:-1])  # what the client had before the loss

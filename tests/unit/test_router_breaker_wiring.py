@@ -30,10 +30,9 @@ async def _execute_realtime(router) -> dict:
     from app.router import openai_api as api
     from app.router.endpoints import COMPLETION
 
-    body = api.CompletionRequest.model_validate({"model": "tiny", "prompt": "hi", "max_tokens": 2,
-                                                 "service_tier": "priority"})
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "service_tier": "priority"}
     try:
-        await router.pipeline.start(COMPLETION, body)
+        await router.pipeline.answer(COMPLETION, body)
     except api.OpenAIError as error:
         return {"status_code": error.status, "body": error.body()}
     return {"status_code": 200, "body": {}}
