@@ -9,8 +9,8 @@ TINY_MODEL = ROOT / "models" / "tiny-llama"
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The locally generated tiny model (made by scripts/setup.sh; made here if a test run skipped set-up)."""
-    if not (TINY_MODEL / "llm_lanes_tiny.json").exists():
-        from app.tools.make_tiny_model import make_tiny_model
+    from app.tools.make_tiny_model import is_current, make_tiny_model
 
+    if not is_current(TINY_MODEL):
         make_tiny_model(TINY_MODEL)
     return TINY_MODEL

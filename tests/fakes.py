@@ -110,10 +110,9 @@ _SURFACES: dict[str, object] = {}
 def openai_surface(cfg):
     """vLLM's serving code for the tiny model (built once per model settings: it loads the tokenizer)."""
     from app.router.openai_surface import OpenAISurface
+    from app.tools.make_tiny_model import is_current, make_tiny_model
 
-    if not (TINY_MODEL / "llm_lanes_tiny.json").exists():
-        from app.tools.make_tiny_model import make_tiny_model
-
+    if not is_current(TINY_MODEL):
         make_tiny_model(TINY_MODEL)
     key = cfg.model.model_dump_json() + str(cfg.router.default_max_tokens)
     if key not in _SURFACES:

@@ -177,11 +177,26 @@ def make_shaped_model(out_dir: Path, shape: str) -> None:
     (out_dir / "llm_lanes_tiny.json").write_text(json.dumps({"shape": shape, "load_format": "dummy"}) + "\n")
 
 
+# What this generator makes, as its marker file records it: raised whenever the files it writes change (the chat
+# template's tool calls, the tool-call tokens), so an older model in a checkout is made again instead of kept.
+GENERATOR_VERSION = 2
+MARKER = "llm_lanes_tiny.json"
+
+
+def is_current(out_dir: Path) -> bool:
+    """The folder holds a tiny model made by this version of the generator."""
+    try:
+        return json.loads((out_dir / MARKER).read_text()).get("generator") == GENERATOR_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def make_tiny_model(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out_dir)
     params = build_model(out_dir)
-    (out_dir / "llm_lanes_tiny.json").write_text(json.dumps({"seed": SEED, "parameters": params}) + "\n")
+    (out_dir / MARKER).write_text(json.dumps({"seed": SEED, "parameters": params,
+                                             "generator": GENERATOR_VERSION}) + "\n")
     return params
 
 
@@ -192,7 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny",
                         help="tiny: ~1M-parameter model with weights; others: config.json only, for load_format dummy")
     args = parser.parse_args(argv)
-    if (args.out_dir / "llm_lanes_tiny.json").exists() and not args.force:
+    if args.shape == "tiny" and is_current(args.out_dir) and not args.force:
+        print(f"model already at {args.out_dir} (use --force to rebuild)")
+        return
+    if args.shape != "tiny" and (args.out_dir / MARKER).exists() and not args.force:
         print(f"model already at {args.out_dir} (use --force to rebuild)")
         return
     if args.shape != "tiny":

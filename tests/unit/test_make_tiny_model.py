@@ -52,3 +52,15 @@ def test_small_cpu_shape_uses_the_tiny_tokenizer_without_padding(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert len(tokenizer) == config["vocab_size"] and "<|reserved_" not in tokenizer.decode(list(range(2000)))
     assert config["hidden_size"] == config["num_attention_heads"] * config["head_dim"]
+
+
+def test_a_model_from_an_older_generator_is_not_current(tmp_path):
+    import json
+
+    from app.tools.make_tiny_model import GENERATOR_VERSION, MARKER, is_current
+
+    assert not is_current(tmp_path)  # nothing there
+    (tmp_path / MARKER).write_text(json.dumps({"seed": 1234, "parameters": 1}))
+    assert not is_current(tmp_path)  # made before the generator recorded its version: made again
+    (tmp_path / MARKER).write_text(json.dumps({"seed": 1234, "parameters": 1, "generator": GENERATOR_VERSION}))
+    assert is_current(tmp_path)
