@@ -71,8 +71,9 @@ class RequestContext:
     def request_id(self) -> str:
         return self.lane_request.request_id
 
-    def headers(self, replica_id: str | None) -> dict[str, str]:
-        headers = {"x-llm-lanes-lane": self.lane.value, "x-llm-lanes-request-class": self.request_class.value}
+    def headers(self, replica_id: str | None, lane: Lane | None = None) -> dict[str, str]:
+        """The answer's x-llm-lanes-* headers; `lane`: the lane that started it (default: the current one)."""
+        headers = {"x-llm-lanes-lane": (lane or self.lane).value, "x-llm-lanes-request-class": self.request_class.value}
         if replica_id:
             # Which engine replica serves it: lets operators (and the prefix-affinity tests) see routing.
             headers["x-llm-lanes-replica"] = replica_id
@@ -106,6 +107,7 @@ class LaneCall:
         self.stream: LaneStream | None = None
         self.last: LaneChunk | None = None
         self._first: LaneChunk | None = None
+        self._started_on: Lane | None = None
         self._lane_done = False  # the current lane call's outcome is recorded
         self._slot: tuple[Any, int] | None = None  # (LaneSlots, token) held now
         self._slot_taken_at = 0.0
@@ -125,7 +127,7 @@ class LaneCall:
 
     def headers(self) -> dict[str, str]:
         first = self._first or self.last
-        return self.context.headers(first.replica_id if first is not None else None)
+        return self.context.headers(first.replica_id if first is not None else None, self._started_on)
 
     def _remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -148,6 +150,9 @@ class LaneCall:
             self._release_slot(record_hold=False)
             raise
         self.last = self._first
+        # The lane that started the answer: the one its headers name, also once a decode handoff's continuation has
+        # moved the request on (the headers of a collected answer are made after the continuation).
+        self._started_on = self.context.lane
         # A streamed request's first chunk is its first token (a non-streamed one's is its whole answer).
         if self._slot is not None and self.context.lane_request.stream:
             self._slot[0].record_start_latency(time.monotonic() - self._slot_taken_at)

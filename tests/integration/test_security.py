@@ -25,7 +25,7 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
 from app.router.auth import hash_key
 from tests.integration.conftest import (
-    GRPC_PORT, HTTP_PORT, TEST_MAX_FILE_BYTES, local_test_document, write_serve_config,
+    GRPC_PORT, HTTP_PORT, TEST_MAX_FILE_BYTES, local_test_document, wait_until, write_serve_config,
 )
 
 pytestmark = pytest.mark.app("security")
@@ -104,7 +104,9 @@ def test_http_without_a_valid_key_is_401_and_a_forbidden_class_403(url, served_m
     assert sdk.completions.create(model=served_model, prompt="hi", max_tokens=2).usage.completion_tokens > 0
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).models.list()
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # load balancers need no key
+    # Load balancers need no key. Each Router replica reads the lanes' running replicas every few seconds, so one
+    # that read "none running yet" at start answers 503 until its next read: poll, as a load balancer does.
+    assert wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200, timeout_s=15)
 
 
 def test_admin_endpoints_need_an_admin_key(url):

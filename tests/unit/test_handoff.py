@@ -142,6 +142,9 @@ async def test_an_answer_collected_whole_joins_both_parts(tmp_path):
     assert response["choices"][0]["finish_reason"] == "length"
     assert response["usage"]["completion_tokens"] == 6
     assert router.lanes["cold"].requests[0].sampling.max_tokens == 4
+    # The headers, made once the answer is whole, name the lane that started it; the handoff is a degrade reason.
+    assert generation.headers()["x-llm-lanes-lane"] == "hot"
+    assert generation.headers()["x-llm-lanes-degraded"] == REASON_DECODE_ON_COLD
 
 
 async def test_an_answer_that_ends_on_the_hot_lane_is_not_continued(tmp_path):
