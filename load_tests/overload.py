@@ -41,7 +41,6 @@ import copy
 import datetime as dt
 import json
 import math
-import os
 import subprocess
 import sys
 import threading
@@ -905,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     model = (served_args.get("model") or {}).get("served_name") or "tiny-llama"
 
-    from load_tests.serve_runner import (AppStartError, ServedApp, app_url, default_cleanup_commands,
+    from load_tests.serve_runner import (AppStartError, ServedApp, app_url, checkout_env, default_cleanup_commands,
                                          default_start_command, default_stop_commands)
 
     url = (args.url or app_url(document)).rstrip("/")
@@ -922,11 +921,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         config_path = out / ("served-" + Path(args.serve_config).name)
         config_path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-        # The app is imported from the directory this runs in (a checkout other than the venv's editable install).
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
         app = ServedApp(url, out / "serve.log", start_command=default_start_command(str(config_path)),
                         stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
-                        ready_timeout_s=args.ready_timeout, env=env)
+                        ready_timeout_s=args.ready_timeout, env=checkout_env())
         _log(f"starting `serve run {config_path}` (log: {app.log_path})")
         try:
             app.start()

@@ -62,6 +62,12 @@ def default_cleanup_commands() -> list[list[str]]:
     return [[_cli("ray"), "stop", "--force"]]
 
 
+def checkout_env() -> dict[str, str]:
+    """PYTHONPATH that imports the app from the directory this runs in (a checkout other than the venv's editable
+    install), ahead of any PYTHONPATH already set."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+
+
 class AppStartError(RuntimeError):
     pass
 

@@ -255,7 +255,9 @@ def _log(message: str) -> None:
 
 def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Namespace, out: Path,
              profile: bool = False) -> tuple[list[dict], dict[str, Any] | None]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    from load_tests.serve_runner import checkout_env
+
+    env = {**os.environ, **checkout_env()}
     warm = argparse.Namespace(**{**vars(args), "num_prompts": max(int(args.request_rate), 4)})
     subprocess.run(bench_command(url, model, tokenizer, warm, out / "warmup", f"{name}.json", seed=999),
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -299,12 +301,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from load_tests.overload import derived_config
     from load_tests.overlay import load_serve_config
-    from load_tests.serve_runner import (AppStartError, ServedApp, app_url, default_cleanup_commands,
+    from load_tests.serve_runner import (AppStartError, ServedApp, app_url, checkout_env, default_cleanup_commands,
                                          default_start_command, default_stop_commands)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     plan: list[dict[str, Any]] = []
     servers: dict[str, str] = {}  # engine arguments (JSON) -> the server target that runs them
     for index, config in enumerate(args.serve_config):
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             url = app_url(step["document"]).rstrip("/")
             served = ServedApp(url, out / f"{name}.log", start_command=default_start_command(str(config_path)),
                                stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
-                               ready_timeout_s=args.ready_timeout, env=env)
+                               ready_timeout_s=args.ready_timeout, env=checkout_env())
         _log(f"starting {name}")
         try:
             served.start()
