@@ -34,6 +34,9 @@ DASHBOARD = "http://127.0.0.1:8265"
 STREAM_TOKENS = 1800  # seconds on the hot lane: streams are in flight whenever the old replicas are told to stop
 STREAMERS = 2
 HOT_MAX_NUM_SEQS = 8  # the streams and the flex requests fit: nothing is refused for load
+# Above the longest stream, as docs/operators.md asks of a rolling update: a stopping replica (Router or lane) keeps
+# serving its open streams for this long. Serve's default (20 s) cuts a stream that is under way on the old Router.
+DRAIN_S = 240
 # Ray and vLLM processes that must not outlive a stopped app.
 RAY_PROCESS_PREFIXES = ("VLLM::", "raylet", "gcs_server", "ray::")
 
@@ -122,7 +125,11 @@ def updated(new_args: dict) -> bool:
 def write_lifecycle_config(tmp_dir, tiny_model):
     config = write_shared_test_config(tmp_dir, tiny_model)
     document = yaml.safe_load(config.read_text())
-    document["applications"][0]["args"]["hot_lane"]["engine"]["max_num_seqs"] = HOT_MAX_NUM_SEQS
+    args = document["applications"][0]["args"]
+    args["hot_lane"]["engine"]["max_num_seqs"] = HOT_MAX_NUM_SEQS
+    args.setdefault("router", {})["graceful_shutdown_timeout_s"] = DRAIN_S
+    for lane in ("hot_lane", "cold_lane"):
+        args[lane].setdefault("deployment", {})["graceful_shutdown_timeout_s"] = DRAIN_S
     return write_serve_config(config, document)
 
 
