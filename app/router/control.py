@@ -76,7 +76,7 @@ class TrafficControl:
                                 routers=cfg.router.num_replicas)
 
     def set_replica_counts(self, hot: int, cold: int, routers: int) -> None:
-        """Size this Router's slots from the running replicas (the Router reads them from Serve's status)."""
+        """Size this Router's slots from the running replicas (the Router reads them from the Serve controller)."""
         if self.hot_slots is None:
             return
         admission = self.cfg.admission

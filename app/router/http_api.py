@@ -2,7 +2,7 @@
 
 Thin: every generation goes through the RequestPipeline. `HttpApi` is a plain class whose methods become FastAPI
 routes on the Router deployment (HTTP_ROUTES, attached by app/router/deployment.py); it expects the deployment to
-set `pipeline`, `lane_replicas`, `prefix_cache` and `admin_stats()`.
+set `pipeline`, `lane_replicas`, `prefix_cache`, `refresh_replica_counts()` and `admin_stats()`.
 """
 
 from __future__ import annotations
@@ -114,8 +114,13 @@ class HttpApi:
         return principal
 
     async def health(self) -> JSONResponse:
-        """For a load balancer: 503 while the hot lane has no running replica (replica_counts.health_response)."""
+        """For a load balancer: 503 while the hot lane has no running replica (replica_counts.health_response).
+        The counts are this replica's last read (every few seconds): a 503 is read again first, so a replica that
+        started before the hot lane's replica ran does not answer 503 after it runs."""
         status_code, body = health_response(self.lane_replicas)
+        if status_code != 200:
+            await self.refresh_replica_counts()
+            status_code, body = health_response(self.lane_replicas)
         return JSONResponse(body, status_code=status_code)
 
     async def models(self, request: Request) -> dict[str, Any]:

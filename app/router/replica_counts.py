@@ -1,9 +1,10 @@
-"""Running replica counts per deployment, read from Serve's status (`serve.status()`); pure, so it tests without Ray.
+"""Running replica counts per deployment, read from the Serve controller's details; pure, so it tests without Ray.
 
 The batch dispatcher's window is per cold-lane replica and every Router replica runs a dispatcher, so each Router
-needs both counts to take its share (app.batch.dispatcher.dispatch_capacity). The status object is duck-typed:
-status.applications[app].deployments[name].replica_states maps a replica state (an enum whose value is e.g.
-"RUNNING") to a count.
+needs both counts to take its share (app.batch.dispatcher.dispatch_capacity). The details are the plain dictionary
+the controller's `get_serve_instance_details` returns (what `serve.status()` parses into pydantic models):
+details["applications"][app]["deployments"][name]["replicas"] is a list of replicas, each with a "state" (an enum
+whose value is e.g. "RUNNING", or that string).
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ def _state_name(state: Any) -> str:
     return str(getattr(state, "value", state))
 
 
-def running_replicas(status: Any, app_name: str, deployment: str) -> int | None:
-    """Replicas of `deployment` in `app_name` that are RUNNING; None when the status does not list the deployment
+def running_replicas(details: Mapping[str, Any], app_name: str, deployment: str) -> int | None:
+    """Replicas of `deployment` in `app_name` that are RUNNING; None when the details do not list the deployment
     (the caller then keeps what it last knew rather than guessing)."""
-    application = (getattr(status, "applications", None) or {}).get(app_name)
-    overview = (getattr(application, "deployments", None) or {}).get(deployment) if application else None
+    application = (details.get("applications") or {}).get(app_name)
+    overview = (application.get("deployments") or {}).get(deployment) if application else None
     if overview is None:
         return None
-    states = getattr(overview, "replica_states", None) or {}
-    return sum(int(count) for state, count in states.items() if _state_name(state) == RUNNING)
+    return sum(1 for replica in overview.get("replicas") or () if _state_name(replica.get("state")) == RUNNING)
 
 
 def health_response(lane_replicas: Mapping[str, int | None]) -> tuple[int, dict[str, Any]]:
@@ -38,7 +38,8 @@ def health_response(lane_replicas: Mapping[str, int | None]) -> tuple[int, dict[
     503 while the hot lane has no running replica (starting up, or every replica down): realtime and interactive
     requests sent here would only wait out their deadlines. A cold lane at zero replicas is normal (scale to zero:
     the next batch line brings one back), so it stays 200. A count not read yet (None) counts as up: the first read
-    of Serve's status comes a few seconds after the Router starts, and health must not flap on a failed read.
+    of the controller's details comes a few seconds after the Router starts, and health must not flap on a failed
+    read.
     """
     hot = lane_replicas.get("hot")
     body: dict[str, Any] = {"status": "ok", "running_replicas": dict(lane_replicas)}

@@ -1,9 +1,9 @@
-"""Reading running replica counts out of Serve's status object (duck-typed, as serve.status() returns it)."""
+"""Reading running replica counts out of the Serve controller's details (the dictionary get_serve_instance_details
+returns)."""
 
 from __future__ import annotations
 
 import enum
-from types import SimpleNamespace
 
 from app.router.replica_counts import running_replicas
 
@@ -14,9 +14,12 @@ class ReplicaState(str, enum.Enum):  # the shape of Serve's own enum: members wh
     STOPPING = "STOPPING"
 
 
-def status_with(**deployments: dict) -> SimpleNamespace:
-    overviews = {name: SimpleNamespace(replica_states=states) for name, states in deployments.items()}
-    return SimpleNamespace(applications={"llm-lanes": SimpleNamespace(deployments=overviews)})
+def status_with(**deployments: dict) -> dict:
+    """Details listing, per deployment, `count` replicas in each state of {state: count}."""
+    overviews = {name: {"status": "HEALTHY", "replicas": [{"replica_id": f"{name}-{state}-{i}", "state": state}
+                                                         for state, count in states.items() for i in range(count)]}
+                 for name, states in deployments.items()}
+    return {"applications": {"llm-lanes": {"status": "RUNNING", "deployments": overviews}}}
 
 
 def test_counts_only_running_replicas():
@@ -38,4 +41,5 @@ def test_unknown_app_or_deployment_is_none_not_zero():
     status = status_with(Router={ReplicaState.RUNNING: 1})
     assert running_replicas(status, "llm-lanes", "ColdLane") is None
     assert running_replicas(status, "other-app", "Router") is None
-    assert running_replicas(SimpleNamespace(applications={}), "llm-lanes", "Router") is None
+    assert running_replicas({"applications": {}}, "llm-lanes", "Router") is None
+    assert running_replicas({}, "llm-lanes", "Router") is None
