@@ -132,6 +132,12 @@ class LaneCall:
     def _remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
+    async def _next_chunk(self) -> LaneChunk:
+        """The lane's next chunk, or TimeoutError at the deadline. A timeout scope, not asyncio.wait_for: wait_for
+        (Python 3.11) wraps every chunk's await in a task of its own, one more trip through the event loop each."""
+        async with asyncio.timeout(self._remaining()):  # relative: the loop's clock need not be time.monotonic
+            return await anext(self.stream)
+
     # ---- start -----------------------------------------------------------------------------------------------------
 
     async def start(self, decision: RouteDecision) -> None:
@@ -227,7 +233,7 @@ class LaneCall:
         try:
             # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
             self.stream = self.lanes.open(self.lane, self.context.lane_request)
-            return self._client_view(await asyncio.wait_for(self.stream.__anext__(), timeout=self._remaining()))
+            return self._client_view(await self._next_chunk())
         except LaneSaturated:
             self.stream.cancel()
             raise
@@ -249,7 +255,7 @@ class LaneCall:
                 try:
                     if self._handoff_due:
                         self._continue_elsewhere()
-                    chunk = self._client_view(await asyncio.wait_for(anext(self.stream), timeout=self._remaining()))
+                    chunk = self._client_view(await self._next_chunk())
                 except StopAsyncIteration:
                     break
                 except BaseException as error:
