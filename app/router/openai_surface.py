@@ -142,6 +142,29 @@ def handoff_blocker(params) -> str | None:
     return None
 
 
+class _PipelineRefusalFilter(logging.Filter):
+    """Drops vLLM's "Error in ... stream generator" records whose exception is the pipeline's own answer (a 429,
+    503 or 504 with its OpenAI body, which the client gets): under overload every refusal would otherwise format
+    and write a full traceback, on the Router's event loop, for an outcome that is not an error of the server."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, api.OpenAIError)
+
+
+# The modules of vLLM's serving classes whose stream generators log an exception raised by generate().
+_STREAM_GENERATOR_LOGGERS = ("vllm.entrypoints.openai.chat_completion.serving",
+                             "vllm.entrypoints.openai.completion.serving")
+
+
+def _quiet_pipeline_refusals() -> None:
+    refusal_filter = _PipelineRefusalFilter()
+    for name in _STREAM_GENERATOR_LOGGERS:
+        stream_logger = logging.getLogger(name)
+        if not any(isinstance(f, _PipelineRefusalFilter) for f in stream_logger.filters):
+            stream_logger.addFilter(refusal_filter)
+
+
 class _LaneEngineClient:
     """The engine client vLLM's serving classes call: model and renderer from the Router's VllmConfig, and
     generate() through the request pipeline (the _Scope of the request being served)."""
@@ -245,6 +268,7 @@ class OpenAISurface:
         (self._sampling, self._chat_protocol, self._completion_protocol, serving_chat,
          serving_completion) = _import_vllm()
         self._build_serving(serving_chat, serving_completion)
+        _quiet_pipeline_refusals()
         import vllm
 
         self.vllm_version = vllm.__version__
