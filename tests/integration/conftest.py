@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from app.lanes.engine_reaper import descendants, kill_all, process_table
+from app.proto import convert
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
@@ -75,7 +76,9 @@ def local_test_document(tiny_model: Path) -> tuple[dict, dict]:
     """serve_configs/local.yaml on the test ports and the generated tiny model: (the document, its app's args)."""
     document = yaml.safe_load((ROOT / "serve_configs" / "local.yaml").read_text())
     document["http_options"]["port"] = HTTP_PORT
-    document["grpc_options"]["port"] = GRPC_PORT
+    # local.yaml has no gRPC proxy (it would listen beyond loopback without keys); the tests turn it on.
+    document["grpc_options"] = {"port": GRPC_PORT, "grpc_servicer_functions": [
+        convert.LLM_LANES_SERVICER_FUNCTION, convert.HEALTH_SERVICER_FUNCTION]}
     args = document["applications"][0]["args"]
     args["model"]["source"] = str(tiny_model)
     return document, args

@@ -79,7 +79,7 @@ def test_invalid_tracing_blocks_name_the_field(tracing, message):
     assert message in str(caught.value)
 
 
-@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in SERVE_CONFIGS if p.name != "local.yaml"], ids=lambda p: p.name)
 def test_every_serve_config_wires_the_grpc_servicers(path):
     document = yaml.safe_load(path.read_text())
     options = document["grpc_options"]
@@ -90,6 +90,14 @@ def test_every_serve_config_wires_the_grpc_servicers(path):
         module, _, name = dotted.rpartition(".")
         assert callable(getattr(importlib.import_module(module), name))
     load_app_config(document["applications"][0]["args"])
+
+
+def test_the_local_config_starts_no_grpc_proxy():
+    """Serve binds its gRPC proxy to every interface and local.yaml has no keys: no gRPC there (Serve starts the
+    proxy only for servicer functions)."""
+    document = yaml.safe_load((REPO / "serve_configs" / "local.yaml").read_text())
+    assert not (document.get("grpc_options") or {}).get("grpc_servicer_functions")
+    assert document["http_options"]["host"] == "127.0.0.1"
 
 
 # ---- fakes --------------------------------------------------------------------------------------------------------
