@@ -7,7 +7,8 @@ with every line recorded exactly once. The recovery times are printed.
 Placement: each lane asks for one unit of the custom resource `lane_host` (the lanes' `deployment.resources`); both
 nodes have room for one lane set (2 units). While the app starts, a reservation actor holds the head node's units,
 so the lanes go to the worker node; it is released before the node is removed, so the head node has room then, as a
-spare node would.
+spare node would. The Router and the PrefixCache ask for no custom resource and land on either node (when the Router
+was on the lost node too, requests waited for its replacement as well).
 
 Its own Ray cluster, not the shared app's `serve run`: the module stops the running app first (two clusters on one
 machine would clash on ports) and, at the end, everything it started (the app, both nodes, their workers and the
