@@ -57,7 +57,8 @@ CLASSES = ("interactive", "batch")  # batch = the flex completions (service_tier
 
 
 def _log(message: str) -> None:
-    print(f"[chaos {dt.datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    tool = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "chaos"
+    print(f"[{tool} {dt.datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------------
