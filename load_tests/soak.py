@@ -13,7 +13,10 @@ lanes' `GET /v1/admin/stats` must show no request left in any engine (running, w
 anything there is a leaked engine request. Every batch must come back exact (each line once).
 
 Outputs in `--out`: report.json, report.md, samples.jsonl (every sample, one per `--sample-interval`), and with
-`--serve-config` alone the derived config and the `serve run` log (the app is started and stopped as in chaos).
+`--serve-config` alone the derived config and the `serve run` log (the app is started and stopped as in chaos). The
+report's RSS trend is the least-squares slope over the second half of the samples: a fresh engine's memory climbs for
+a while before it levels off, a leak keeps climbing. `python -m load_tests.soak rebuild OUT` recomputes a saved
+report from its report.json and samples.jsonl.
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def growth(start: dict[str, Any], end: dict[str, Any]) -> dict[str, dict[str, An
     return rows
 
 
+def rss_slope_mib_per_h(samples: Sequence[dict[str, Any]], role: str, from_fraction: float = 0.5) -> float | None:
+    """Least-squares slope of the role's RSS over the samples from `from_fraction` of the run on (the early climb of
+    a fresh engine left out), in MiB per hour; None with fewer than 3 samples of one process there."""
+    if not samples:
+        return None
+    t0, t1 = samples[0]["t_unix"], samples[-1]["t_unix"]
+    end = samples[-1]["processes"].get(role)
+    points = [(s["t_unix"] / 3600, s["processes"][role]["rss_mib"]) for s in samples
+              if s["t_unix"] >= t0 + from_fraction * (t1 - t0) and role in s["processes"]
+              and end is not None and s["processes"][role]["pid"] == end["pid"]]
+    if len(points) < 3:
+        return None
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_r = sum(r for _, r in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return round(sum((t - mean_t) * (r - mean_r) for t, r in points) / spread, 1) if spread else None
+
+
 def leaked_requests(stats: Any) -> dict[str, Any]:
     """Requests left in the lanes after the load drained: per lane replica, the engine's running and waiting and the
     replica's in-flight requests by class; `total` sums them (0 when nothing leaked)."""
@@ -103,8 +124,12 @@ def leaked_requests(stats: Any) -> dict[str, Any]:
 
 
 def build_report(settings: dict[str, Any], start: dict[str, Any], end: dict[str, Any], leaks: dict[str, Any],
-                 records: Sequence[Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"settings": settings, "start": start, "end": end, "growth": growth(start, end), "leaked": leaks,
+                 records: Sequence[Any], batches: list[dict[str, Any]],
+                 samples: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    rows = growth(start, end)
+    for role, row in rows.items():
+        row["rss_slope_mib_per_h"] = rss_slope_mib_per_h(samples, role)
+    return {"settings": settings, "start": start, "end": end, "growth": rows, "leaked": leaks,
             "classes": class_summary(records), "batches": batches,
             "records": [r.to_json() for r in records]}
 
@@ -120,13 +145,16 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"Load: {settings['interactive']} interactive streams, {settings['flex']} flex completions, batches of "
              f"{settings['batch_lines']} lines one after another. Samples {elapsed:.1f} min apart (start after "
              f"{settings['warmup_s']:g} s of load, end as the load stops).", "",
-             "| process | pid | RSS start → end (MiB) | growth (MiB) | open files start → end | growth |",
-             "|---|---|---|---|---|---|"]
+             "| process | pid | RSS start → end (MiB) | growth (MiB) | RSS trend, second half (MiB/h) | "
+             "open files start → end | growth |",
+             "|---|---|---|---|---|---|---|"]
     for role, row in report["growth"].items():
         a, b = row["start"], row["end"]
         pid = str((b or a)["pid"]) + ("" if row.get("same_process", True) else " (restarted)")
         lines.append(f"| {role} | {pid} | {_cell(a, 'rss_mib')} → {_cell(b, 'rss_mib')} | "
-                     f"{row.get('rss_growth_mib', '–')} | {_cell(a, 'open_files')} → {_cell(b, 'open_files')} | "
+                     f"{row.get('rss_growth_mib', '–')} | "
+                     f"{'–' if row.get('rss_slope_mib_per_h') is None else row['rss_slope_mib_per_h']} | "
+                     f"{_cell(a, 'open_files')} → {_cell(b, 'open_files')} | "
                      f"{row.get('open_files_growth', '–')} |")
     leaks = report["leaked"]
     lines += ["", f"Engine requests left {settings['drain_s']:g} s after the load stopped: **{leaks['total']}** "
@@ -201,10 +229,29 @@ def run_soak(url: str, dashboard: str, model: str, settings: dict[str, Any], out
             batches.append(done)
     time.sleep(settings["drain_s"])
     leaks = leaked_requests(httpx.get(f"{url}/v1/admin/stats", timeout=30).json())
-    return build_report(settings, start, end, leaks, list(load.records), batches)
+    return build_report(settings, start, end, leaks, list(load.records), batches, read_samples(samples_path))
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def rebuild(out_dir: Path) -> dict[str, Path]:
+    """Recompute report.json's summaries and report.md from its own records and samples.jsonl."""
+    from load_tests.client import RequestRecord
+
+    saved = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    report = build_report(saved["settings"], saved["start"], saved["end"], saved["leaked"],
+                          [RequestRecord(**raw) for raw in saved["records"]], saved["batches"],
+                          read_samples(out_dir / "samples.jsonl"))
+    return write_report(report, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "rebuild":
+        print(rebuild(Path(argv[1]))["markdown"].read_text(encoding="utf-8"))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m load_tests.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common_arguments(parser)

@@ -9,7 +9,7 @@ from load_tests.chaos import (RequestRecord, batch_exactness, build_report, engi
                               proxy_pids,
                               first_success_s, render_markdown, served_through)
 from load_tests.soak import build_report as soak_report
-from load_tests.soak import growth, leaked_requests, read_process
+from load_tests.soak import growth, leaked_requests, read_process, rss_slope_mib_per_h
 from load_tests.soak import render_markdown as soak_markdown
 
 
@@ -86,7 +86,7 @@ def test_process_growth_marks_a_restarted_process():
     settings = {"serve_config": "x.yaml", "minutes": 10, "interactive": 2, "flex": 2, "batch_lines": 3,
                 "warmup_s": 60, "drain_s": 10}
     text = soak_markdown(soak_report(settings, start, end, leaked_requests({"lanes": {}}), [], []))
-    assert "| Router | 1 | 100.0 → 112.5 | 12.5 | 40 → 41 | 1 |" in text
+    assert "| Router | 1 | 100.0 → 112.5 | 12.5 | – | 40 → 41 | 1 |" in text
     assert "| HotLane | 3 (restarted) |" in text and "left 10 s after the load stopped: **0**" in text
 
 
@@ -114,3 +114,15 @@ def test_proxies_are_found_by_their_process_title(tmp_path: Path):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cmdline").write_bytes(title)
     assert proxy_pids(tmp_path) == [5]
+
+
+def test_rss_trend_is_the_slope_over_the_second_half_of_one_process():
+    def at(hours: float, rss: float, pid: int = 1) -> dict:
+        return {"t_unix": hours * 3600, "processes": {"Router": {"pid": pid, "rss_mib": rss, "open_files": 1}}}
+
+    # Climbs fast at first, then 10 MiB/h: only the second half counts.
+    samples = [at(0, 100), at(0.25, 200), at(0.5, 300), at(0.75, 302.5), at(1.0, 305)]
+    assert rss_slope_mib_per_h(samples, "Router") == 10.0
+    # A restarted process (another pid at the end) has no trend from the old one's samples.
+    assert rss_slope_mib_per_h(samples[:-1] + [at(1.0, 50, pid=2)], "Router") is None
+    assert rss_slope_mib_per_h(samples, "proxy") is None
