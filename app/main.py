@@ -63,6 +63,8 @@ def lane_deployment_options(lane: LaneConfig, cfg: AppConfig | None = None) -> d
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
         "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": 0 if bundles else settings.num_gpus},
     }
+    if settings.resources:
+        options["ray_actor_options"]["resources"] = dict(settings.resources)
     if settings.env_vars:
         options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(settings.env_vars)}
     if bundles:

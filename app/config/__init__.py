@@ -320,11 +320,13 @@ def gpus_per_replica(lane: LaneConfig) -> float:
 
 
 def placement_group_bundles(lane: LaneConfig) -> list[dict[str, float]] | None:
-    """A TP group of N GPUs: the replica actor and rank 0 share the first bundle, one GPU per further rank."""
+    """A TP group of N GPUs: the replica actor and rank 0 share the first bundle (with the replica's custom
+    resources), one GPU per further rank."""
     tp = lane.engine.tensor_parallel_size
     if tp == 1:
         return None
-    return [{"GPU": 1, "CPU": lane.deployment.num_cpus}] + [{"GPU": 1} for _ in range(tp - 1)]
+    return ([{"GPU": 1, "CPU": lane.deployment.num_cpus, **lane.deployment.resources}]
+            + [{"GPU": 1} for _ in range(tp - 1)])
 
 
 def _check_lane(cfg: AppConfig, lane_name: str, lane: LaneConfig) -> None:

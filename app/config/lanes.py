@@ -142,6 +142,10 @@ class LaneDeploymentSettings(StrictModel):
     # Environment of the lane's replica processes (and the engine processes they start), e.g.
     # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE to cap this lane's share of the GPU's SMs under the CUDA MPS daemon.
     env_vars: dict[str, str] = Field(default_factory=dict)
+    # Ray custom resources each replica needs (Ray's `resources` actor option), e.g. {"lane_host": 1} to keep the
+    # lane on the nodes started with `ray start --resources '{"lane_host": N}'`. Replicas of a lost node are started
+    # again only where the resource is left.
+    resources: dict[str, float] = Field(default_factory=dict)
 
     @property
     def min_replicas(self) -> int:
@@ -150,6 +154,13 @@ class LaneDeploymentSettings(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "LaneDeploymentSettings":
+        reserved = {"CPU", "GPU", "memory", "object_store_memory"} & set(self.resources)
+        if reserved:
+            raise ValueError(f"resources names {sorted(reserved)}: set num_cpus / num_gpus instead; resources is "
+                             "for custom resources")
+        negative = sorted(name for name, amount in self.resources.items() if amount < 0)
+        if negative:
+            raise ValueError(f"resources {negative} < 0: give each custom resource an amount >= 0")
         if self.health_check_period_s >= MAX_HEALTH_CHECK_PERIOD_S:
             raise ValueError(
                 f"health_check_period_s={self.health_check_period_s} is too slow: use less than "

@@ -273,3 +273,19 @@ def test_gpu_single_keeps_one_of_two_hot_replicas_for_realtime():
     assert 2 * cfg.hot_lane.deployment.num_gpus + cfg.cold_lane.deployment.num_gpus == 1.0
 
 
+
+
+def test_lane_custom_resources_reach_ray_actor_options_and_the_first_bundle():
+    cfg = load_app_config(cpu_args(**{"cold_lane.deployment.resources": {"lane_host": 1}}))
+    assert lane_deployment_options(cfg.cold_lane)["ray_actor_options"]["resources"] == {"lane_host": 1}
+    assert "resources" not in lane_deployment_options(cfg.hot_lane)["ray_actor_options"]
+    gpu = load_app_config(gpu_args(**{"hot_lane.engine.tensor_parallel_size": 2, "hot_lane.deployment.num_gpus": 0,
+                                      "hot_lane.deployment.resources": {"lane_host": 1},
+                                      "batch.single_node": True}))
+    assert placement_group_bundles(gpu.hot_lane)[0] == {"GPU": 1, "CPU": 1, "lane_host": 1}
+
+
+def test_lane_resources_naming_cpu_or_a_negative_amount_are_refused():
+    assert "set num_cpus / num_gpus instead" in error_of(cpu_args(**{"hot_lane.deployment.resources": {"CPU": 1}}))
+    assert "give each custom resource an amount >= 0" in error_of(
+        cpu_args(**{"hot_lane.deployment.resources": {"lane_host": -1}}))
