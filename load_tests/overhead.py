@@ -480,6 +480,12 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
         return http_spec(index, "router_direct")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as for the `serve` CLI (Ray 2.60 turns token auth on)
+    # After ray.shutdown() below, the handle's background threads (its request router's PrefixCache handle and index
+    # sync) still call Ray, and Ray's auto-init would start a stray local cluster for them, which then holds up the
+    # app's stop. RAY_ENABLE_AUTO_CONNECT=0 does this, but is read when ray is first imported.
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
     ray.init(address="auto", namespace="serve", log_to_driver=False)
     try:
         handle = serve.get_deployment_handle(HOT_LANE_DEPLOYMENT, app_name=app_name)
