@@ -65,6 +65,8 @@ from load_tests.stats import summarize_class
 from load_tests.workload import ClientPool
 
 HOT_LANE_DEPLOYMENT = "HotLane"
+# The Router-vs-handle measurement's own limit (its child process is killed past it).
+ROUTER_OVERHEAD_TIMEOUT_S = 1800.0
 REQUEST_CLASS = "interactive"  # the default class: what most chat traffic is, served by the hot lane
 REQUEST_TIMEOUT_S = 120.0
 # Each phase numbers its prompts from its own base, so no phase replays another's prompts (which could hit the
@@ -480,50 +482,42 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
         return http_spec(index, "router_direct")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as for the `serve` CLI (Ray 2.60 turns token auth on)
-    # After ray.shutdown() below, the handle's background threads (its request router's PrefixCache handle and index
-    # sync) still call Ray, and Ray's auto-init would start a stray local cluster for them, which then holds up the
-    # app's stop. RAY_ENABLE_AUTO_CONNECT=0 does this, but is read when ray is first imported.
-    from ray._private import auto_init_hook
-
-    auto_init_hook.enable_auto_connect = False
+    # No ray.shutdown(): this runs in a child process that ends with os._exit (measure_router_overhead_isolated).
     ray.init(address="auto", namespace="serve", log_to_driver=False)
-    try:
-        handle = serve.get_deployment_handle(HOT_LANE_DEPLOYMENT, app_name=app_name)
+    handle = serve.get_deployment_handle(HOT_LANE_DEPLOYMENT, app_name=app_name)
 
-        async def handle_phase(requests: int, first_index: int, phase: str) -> tuple[list[RequestRecord], float]:
-            async def call(index: int, run_start: float) -> RequestRecord:
-                return await hot_lane_call(handle, lane_request(index, phase), phase, index, run_start)
+    async def handle_phase(requests: int, first_index: int, phase: str) -> tuple[list[RequestRecord], float]:
+        async def call(index: int, run_start: float) -> RequestRecord:
+            return await hot_lane_call(handle, lane_request(index, phase), phase, index, run_start)
 
-            return await closed_loop(call, requests, settings.concurrency, first_index)
+        return await closed_loop(call, requests, settings.concurrency, first_index)
 
-        async def run_all() -> dict[str, tuple[list[RequestRecord], float]]:
-            # Warm every path (the handle's first calls set up its router and connections).
-            await handle_phase(settings.warmup, PHASE_INDEX_BASE["warmup"], "warmup")
-            await http_phase(url, http_spec, settings.warmup, settings.concurrency, PHASE_INDEX_BASE["warmup"])
+    async def run_all() -> dict[str, tuple[list[RequestRecord], float]]:
+        # Warm every path (the handle's first calls set up its router and connections).
+        await handle_phase(settings.warmup, PHASE_INDEX_BASE["warmup"], "warmup")
+        await http_phase(url, http_spec, settings.warmup, settings.concurrency, PHASE_INDEX_BASE["warmup"])
+        if direct_url:
+            await http_phase(direct_url, direct_spec, settings.warmup, settings.concurrency,
+                             PHASE_INDEX_BASE["warmup"] + 100_000)
+        paths: dict[str, tuple[list[RequestRecord], float]] = {}
+
+        def add(path: str, result: tuple[list[RequestRecord], float]) -> None:
+            records, wall = paths.get(path, ([], 0.0))
+            paths[path] = (records + result[0], wall + result[1])
+
+        per_round = max(1, settings.requests // settings.rounds)
+        for round_index in range(settings.rounds):
+            offset = round_index * per_round
+            add("http", await http_phase(url, http_spec, per_round, settings.concurrency,
+                                         PHASE_INDEX_BASE["router_http"] + offset))
             if direct_url:
-                await http_phase(direct_url, direct_spec, settings.warmup, settings.concurrency,
-                                 PHASE_INDEX_BASE["warmup"] + 100_000)
-            paths: dict[str, tuple[list[RequestRecord], float]] = {}
+                add("direct", await http_phase(direct_url, direct_spec, per_round, settings.concurrency,
+                                               PHASE_INDEX_BASE["router_direct"] + offset))
+            add("handle", await handle_phase(per_round, PHASE_INDEX_BASE["hot_lane_handle"] + offset,
+                                             "hot_lane_handle"))
+        return paths
 
-            def add(path: str, result: tuple[list[RequestRecord], float]) -> None:
-                records, wall = paths.get(path, ([], 0.0))
-                paths[path] = (records + result[0], wall + result[1])
-
-            per_round = max(1, settings.requests // settings.rounds)
-            for round_index in range(settings.rounds):
-                offset = round_index * per_round
-                add("http", await http_phase(url, http_spec, per_round, settings.concurrency,
-                                             PHASE_INDEX_BASE["router_http"] + offset))
-                if direct_url:
-                    add("direct", await http_phase(direct_url, direct_spec, per_round, settings.concurrency,
-                                                   PHASE_INDEX_BASE["router_direct"] + offset))
-                add("handle", await handle_phase(per_round, PHASE_INDEX_BASE["hot_lane_handle"] + offset,
-                                                 "hot_lane_handle"))
-            return paths
-
-        paths = asyncio.run(run_all())
-    finally:
-        ray.shutdown()
+    paths = asyncio.run(run_all())
 
     http_records, handle_records = paths["http"][0], paths["handle"][0]
     http, handle_summary = phase_summary(*paths["http"]), phase_summary(*paths["handle"])
@@ -545,6 +539,43 @@ def measure_router_overhead(settings: Settings, url: str, app_config: dict[str, 
                       direct_difference_ms=router_overhead(direct, handle_summary))
         result["records"]["direct"] = [r.to_json() for r in paths["direct"][0]]
     return result
+
+
+def _router_overhead_child(conn, *args) -> None:
+    try:
+        conn.send(("ok", measure_router_overhead(*args)))
+    except BaseException as error:  # noqa: BLE001 -- reported to the parent, which keeps the other figures
+        conn.send(("error", f"{type(error).__name__}: {error}"[:300]))
+    finally:
+        conn.close()
+        # Without Ray's shutdown: the handle's background threads (its request router's PrefixCache handle and
+        # index sync) go on calling Ray during ray.shutdown(), which then kills the process or auto-starts a stray
+        # local cluster that holds up the app's stop.
+        os._exit(0)
+
+
+def measure_router_overhead_isolated(timeout_s: float, *args) -> dict[str, Any]:
+    """measure_router_overhead in a child process of its own (spawned), so the Ray driver it needs ends with it."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_router_overhead_child, args=(send, *args), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            raise TimeoutError(f"the Router-vs-handle measurement did not finish within {timeout_s:.0f} s")
+        kind, value = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the Router-vs-handle measurement's process died (exit code {child.exitcode})") from None
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    if kind != "ok":
+        raise RuntimeError(value)
+    return value
 
 
 def measure_rate_ceiling(settings: Settings, url: str, model: str, phase: str = "rate") -> dict[str, Any]:
@@ -609,8 +640,9 @@ def run_variant(settings: Settings, base_config: dict[str, Any], variant: Tracin
         if variant.name == BASELINE_VARIANT:
             _log(f"{variant.name}: Router vs HotLane handle")
             try:
-                result["router_overhead"] = measure_router_overhead(settings, url, application["args"],
-                                                                    application.get("name", "llm-lanes"), direct_url)
+                result["router_overhead"] = measure_router_overhead_isolated(
+                    ROUTER_OVERHEAD_TIMEOUT_S, settings, url, application["args"],
+                    application.get("name", "llm-lanes"), direct_url)
             except Exception as error:  # noqa: BLE001 -- keep the tracing numbers when this part fails
                 _log(f"router overhead failed: {error!r}")
                 result["router_overhead"] = {"error": f"{type(error).__name__}: {error}"[:300]}
