@@ -6,6 +6,7 @@ The engine is injected (`engine_factory`) so tests and other engines can swap it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -168,8 +169,9 @@ class LaneReplica:
         error: BaseException | None = None
         try:
             if self.gate is None:
-                async for chunk in self._run(request, trace):
-                    yield chunk
+                async with contextlib.aclosing(self._run(request, trace)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             request_class = request.request_class
             await self._wait_for_kv_headroom(request, request_class)
@@ -178,8 +180,12 @@ class LaneReplica:
             async with self.gate.slot(request_class, request.priority):
                 if waited:
                     self.gate_waits_by_class[request.request_class.value] += 1
-                async for chunk in self._run(request, trace):
-                    yield chunk
+                # Closed before the slot is given back: when the caller stops reading (a finished or abandoned
+                # stream), the engine request ends (or is aborted) now, not when the event loop finalizes the
+                # abandoned generator later, by which time the slot's next request is in the engine beside it.
+                async with contextlib.aclosing(self._run(request, trace)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
         except BaseException as caught:
             error = caught
             raise

@@ -39,6 +39,10 @@ def long_body(model: str, tier: str, max_tokens: int, prompt: str = "tell me mor
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "service_tier": tier}
 
 
+# Interactive streams that end this soon after a realtime request is sent can end before its first token anyway.
+STREAM_END_MARGIN_S = 1.0
+
+
 def engine_idle(app_url: str) -> bool:
     stats = lane_stats(app_url)
     return all(s["running"] == 0 and s["waiting"] == 0 and not s["inflight_by_class"] for s in stats.values())
@@ -80,9 +84,11 @@ async def test_realtime_never_waits_for_the_hot_lanes_interactive_slots(app_url,
     assert all(r[2] in (200, 429) for r in results), [r[2] for r in results]
     assert any(r[2] == 200 for r in results), [r[2] for r in results]
     on_hot = [(first, last) for first, last, status_, response_headers in results
-              if status_ == 200 and response_headers["x-llm-lanes-lane"] == "hot" and last > realtime_sent]
+              if status_ == 200 and response_headers["x-llm-lanes-lane"] == "hot"
+              and last > realtime_sent + STREAM_END_MARGIN_S]
     # Realtime did not wait for an interactive request to give its hot slot back: its first token came before the
-    # first of the interactive streams still running on the hot lane when it was sent ended.
+    # first of the interactive streams still running on the hot lane well after it was sent ended. (A stream that
+    # ended within the margin may end before realtime's first token without realtime having waited for it.)
     if on_hot:
         assert realtime_first < min(last for _, last in on_hot), (waiting,
                                                                   [last - realtime_first for _, last in on_hot])

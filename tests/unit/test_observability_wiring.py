@@ -511,6 +511,21 @@ async def test_lane_replica_marks_an_abandoned_stream_cancelled(monkeypatch):
         replica.__del__()
 
 
+async def test_an_abandoned_stream_leaves_the_engine_before_generate_returns(monkeypatch):
+    """The caller's aclose() ends the engine request at once (counted aborted, out of flight), not when the event loop
+    finalizes the abandoned inner generator later: a gate's slot must not be free while its request still runs."""
+    replica, _ = await make_replica(monkeypatch, "none")
+    try:
+        stream = replica.generate(lane_request({}))
+        await anext(stream)
+        assert replica.inflight_by_class["batch"] == 1
+        await stream.aclose()
+        assert replica.inflight_by_class["batch"] == 0
+        assert replica.aborted_by_class["batch"] == 1
+    finally:
+        replica.__del__()
+
+
 async def test_lane_replica_without_tracing_records_nothing_and_publishes_engine_gauges(monkeypatch):
     replica, backend = await make_replica(monkeypatch, "none")
     try:
