@@ -349,11 +349,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict[str, Any], out_dir: Path, name: str = "report") -> dict[str, Path]:
+def write_report(report: dict[str, Any], out_dir: Path, name: str = "report",
+                 render: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Path]:
+    """`name`.json and `name`.md (rendered by `render`, this tool's render_markdown by default) in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{name}.json", "markdown": out_dir / f"{name}.md"}
     paths["json"].write_text(json.dumps(report, indent=1), encoding="utf-8")
-    paths["markdown"].write_text(render_markdown(report), encoding="utf-8")
+    paths["markdown"].write_text((render or render_markdown)(report), encoding="utf-8")
     return paths
 
 

@@ -34,6 +34,7 @@ import httpx
 from load_tests.chaos import (LANES, MixedLoad, _log, batch_exactness, batch_output_ids, batch_state,
                               children_table, class_summary, common_arguments, engine_processes, proxy_pids,
                               run_with_app, running, serve_replicas, submit_batch)
+from load_tests import chaos
 from load_tests.gpu_campaign import lane_entries
 
 # Requests still inside a lane replica, as its stats report them.
@@ -175,11 +176,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md"}
-    paths["json"].write_text(json.dumps(report, indent=1), encoding="utf-8")
-    paths["markdown"].write_text(render_markdown(report), encoding="utf-8")
-    return paths
+    return chaos.write_report(report, out_dir, render=render_markdown)
 
 
 def finished_batch(url: str, batch_id: str, lines: int) -> dict[str, Any] | None:
