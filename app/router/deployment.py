@@ -200,15 +200,15 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         stay (the configured ones at start), so neither health nor the shares flap on a failed read."""
         try:
             app_name = serve.get_replica_context().app_name
-            status = await serve_details()
+            details = await serve_details()
         except Exception as error:
             logger.warning("could not read replica counts from the Serve controller: %s", error)
             return
         for lane in self.lane_handles:
-            count = running_replicas(status, app_name, LANE_DEPLOYMENTS[lane.value])
+            count = running_replicas(details, app_name, LANE_DEPLOYMENTS[lane.value])
             if count is not None:
                 self.lane_replicas[lane.value] = count
-        routers = running_replicas(status, app_name, ROUTER_DEPLOYMENT) or self.dispatcher.router_replicas
+        routers = running_replicas(details, app_name, ROUTER_DEPLOYMENT) or self.dispatcher.router_replicas
         hot = self.lane_replicas.get(Lane.HOT.value)
         cold = self.lane_replicas.get(Lane.COLD.value)
         if Lane.COLD in self.lane_handles:
