@@ -8,7 +8,9 @@ takes the next one freed.
 The predicted wait is built from the present state only: the slots in use and how long a request holds one, taken
 as the larger of the recent hold times and the mean age of the requests holding slots now (they hold theirs at
 least that long). Nothing decays through idle time, so a burst after a quiet spell is predicted from what the lane
-is doing, not from how little it did while idle.
+is doing, not from how little it did while idle. The time from a slot to the first token is read the same way:
+the tail of the recent ones, or longer while a request holding a slot has waited longer than that for its first
+token (a burst slows prefill before any slow start has finished and been recorded).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class LaneSlots:
         self.in_flight = 0
         self.peak_in_flight = 0
         self._holders: dict[int, float] = {}
+        self._awaiting_first_token: dict[int, float] = {}
         self._next_token = 0
         self._holds: deque[float] = deque(maxlen=hold_samples)
         self._start_latencies: deque[float] = deque(maxlen=hold_samples)
@@ -61,14 +64,21 @@ class LaneSlots:
             candidates.append(sum(ages) / len(ages))
         return max(candidates) if candidates else None
 
-    def record_start_latency(self, seconds: float) -> None:
-        """Time from taking a slot to the request's first token on the lane (its prefill and the hops)."""
-        self._start_latencies.append(seconds)
+    def first_token(self, token: int) -> None:
+        """The request holding `token` has its first token: the time since it took the slot (its prefill and the
+        hops) feeds start_latency_s()."""
+        since = self._awaiting_first_token.pop(token, None)
+        if since is not None:
+            self._start_latencies.append(self.clock() - since)
 
     def start_latency_s(self) -> float:
-        """Recent time from a slot to the first token, at its 99th percentile (a target on the TTFT's tail needs
-        the tail of this part of it); 0 before any is known."""
-        return percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
+        """Time from a slot to the first token: the 99th percentile of the recent ones (a target on the TTFT's tail
+        needs the tail of this part of it), or the longest a holder is waiting for its first token now, whichever
+        is larger; 0 before any is known."""
+        recent = percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
+        if not self._awaiting_first_token:
+            return recent
+        return max(recent, self.clock() - min(self._awaiting_first_token.values()))
 
     def predicted_wait_s(self, ahead: int | None = None, tenant: str | None = None) -> float:
         """Wait for a slot of a request joining the line behind `ahead` others (default: those served before a
@@ -96,25 +106,33 @@ class LaneSlots:
         hold = self.hold_time_s()
         return None if hold is None else hold / self.limit
 
-    def take(self) -> int:
-        """Take a slot now (the caller checked free() or was granted one); returns the token for release()."""
+    def take(self, awaits_first_token: bool = False) -> int:
+        """Take a slot now (the caller checked free() or was granted one); returns the token for release().
+        `awaits_first_token`: the holder reports its first token (first_token()), so its wait for it counts in
+        start_latency_s() (a streamed request; a collected answer's first chunk is its whole answer)."""
         token = self._next_token
         self._next_token += 1
-        self._holders[token] = self.clock()
+        now = self.clock()
+        self._holders[token] = now
+        if awaits_first_token:
+            self._awaiting_first_token[token] = now
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return token
 
-    async def acquire(self, tenant: str = DEFAULT_TENANT) -> int:
+    async def acquire(self, tenant: str = DEFAULT_TENANT, awaits_first_token: bool = False,
+                      give_up: Callable[[], bool] | None = None) -> int:
         """Wait for a slot (tenants in turn, FIFO within one), take it, return its token. Cancellation leaves the
-        line."""
-        await self._waiters.wait_until(lambda: self.in_flight < self.limit, tenant)
-        return self.take()
+        line; so does `give_up()` turning true while waiting (SlotWaitAbandoned: the wait it still has is no longer
+        worth it)."""
+        await self._waiters.wait_until(lambda: self.in_flight < self.limit, tenant, give_up)
+        return self.take(awaits_first_token)
 
     def release(self, token: int, record_hold: bool = True) -> None:
         """Give a slot back (exactly once per take). `record_hold`: its hold time feeds the prediction (False for a
         request that ended early by failure or cancellation, whose hold says nothing about the lane's pace)."""
         since = self._holders.pop(token, None)
+        self._awaiting_first_token.pop(token, None)
         if since is None:
             return
         self.in_flight -= 1

@@ -20,6 +20,7 @@ from app.router.control import TrafficControl
 from app.router.rate_limits import NO_CHARGE, Charge
 from app.router.endpoints import Endpoint
 from app.router.record import CLIENT_CLOSED_STATUS, RequestRecord
+from app.router.slot_waiters import SlotWaitAbandoned
 from app.router.spill import RouteDecision
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,6 @@ class LaneCall:
         self._started_on: Lane | None = None
         self._lane_done = False  # the current lane call's outcome is recorded
         self._slot: tuple[Any, int] | None = None  # (LaneSlots, token) held now
-        self._slot_taken_at = 0.0
         # Decode handoff: the hot part's tokens (the continuation's prompt suffix) and where the answer stands.
         self._handoff_after: int | None = None
         self._handed_off_ids: list[int] = []
@@ -160,8 +160,8 @@ class LaneCall:
         # moved the request on (the headers of a collected answer are made after the continuation).
         self._started_on = self.context.lane
         # A streamed request's first chunk is its first token (a non-streamed one's is its whole answer).
-        if self._slot is not None and self.context.lane_request.stream:
-            self._slot[0].record_start_latency(time.monotonic() - self._slot_taken_at)
+        if self._slot is not None:
+            self._slot[0].first_token(self._slot[1])
         self._lane_finished_with(self._first)
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
@@ -194,28 +194,32 @@ class LaneCall:
             await asyncio.sleep(decision.wait_for_lane_s)
             decision = self.route(self.context)
         self._lane_done = False
+        streamed = self.context.lane_request.stream
         if decision.takes_hot_slot:
             slots = self.control.hot_slots
             if slots.free() > 0:
                 # The common case, taken without a task or a trip through the event loop.
-                token = slots.take()
+                token = slots.take(awaits_first_token=streamed)
             else:
-                waited_s = time.monotonic() - self.context.record.arrived_at
-                budget_s = (self.control.hot_wait_budget_s(waited_s) if decision.wait_for_hot_slot
-                            else self._remaining())
+                arrived_at = self.context.record.arrived_at
+                budget_s = (self.control.hot_wait_budget_s(time.monotonic() - arrived_at)
+                            if decision.wait_for_hot_slot else self._remaining())
+                # The budget is worked out again while waiting: the lane's time from a slot to the first token
+                # can grow meanwhile (a burst slows prefill), and a request that can no longer start within the
+                # TTFT target leaves the line for a new decision instead of taking a slot late.
+                give_up = ((lambda: self.control.hot_wait_budget_s(time.monotonic() - arrived_at) <= 0)
+                           if decision.wait_for_hot_slot else None)
                 try:
-                    token = await asyncio.wait_for(slots.acquire(self.context.tenant),
+                    token = await asyncio.wait_for(slots.acquire(self.context.tenant, streamed, give_up),
                                                    timeout=min(budget_s, self._remaining()))
-                except asyncio.TimeoutError:
+                except (asyncio.TimeoutError, SlotWaitAbandoned):
                     if self._remaining() <= 0:
                         raise self._deadline_error() from None
                     decision = self.route(self.context, hot_wait_expired=True)
                     return await self._start_on(decision)
             self._slot = (slots, token)
-            self._slot_taken_at = time.monotonic()
         elif decision.takes_cold_spill:
-            self._slot = (self.control.cold_spill, self.control.cold_spill.take())
-            self._slot_taken_at = time.monotonic()
+            self._slot = (self.control.cold_spill, self.control.cold_spill.take(awaits_first_token=streamed))
         if not self.control.allow(decision.lane):
             raise api.OpenAIError(503, f"the {decision.lane.value} lane is failing; retry shortly", type="server_error",
                                   code=f"{decision.lane.value}_breaker_open", headers={"Retry-After": "1"})

@@ -21,6 +21,10 @@ from app.batch.store import DEFAULT_TENANT
 RECHECK_S = 0.25
 
 
+class SlotWaitAbandoned(Exception):
+    """A waiter left the line because its give_up() turned true."""
+
+
 class SlotWaiters:
     def __init__(self, recheck_s: float = RECHECK_S):
         if recheck_s <= 0:
@@ -51,8 +55,11 @@ class SlotWaiters:
             self._turns.append(tenant)
         self._queues[tenant].append(waiter)
 
-    async def wait_until(self, has_slot: Callable[[], bool], tenant: str = DEFAULT_TENANT) -> None:
-        """Return once has_slot() is true; the caller takes the slot before its next await."""
+    async def wait_until(self, has_slot: Callable[[], bool], tenant: str = DEFAULT_TENANT,
+                         give_up: Callable[[], bool] | None = None) -> None:
+        """Return once has_slot() is true; the caller takes the slot before its next await. `give_up`, asked at
+        each re-check and wake-up before has_slot(): true leaves the line (SlotWaitAbandoned), handing a wake-up on
+        to the next waiter."""
         # Those already waiting go first: a newcomer does not overtake them even when a slot happens to be free.
         if not self._waiting and has_slot():
             return
@@ -65,16 +72,20 @@ class SlotWaiters:
                 try:
                     await asyncio.wait_for(asyncio.shield(waiter), timeout=self.recheck_s)
                 except asyncio.TimeoutError:
+                    if give_up is not None and give_up():
+                        raise SlotWaitAbandoned() from None
                     if has_slot():
                         return
                     continue  # still in line, same place
+                if give_up is not None and give_up():
+                    raise SlotWaitAbandoned()
                 if has_slot():
                     return
                 # Woken, but the freed slot is not one this request may take (a hot loan while interactive work
                 # waits): back in line, at the end of its tenant's.
                 waiter = loop.create_future()
                 self._enqueue(tenant, waiter)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, SlotWaitAbandoned):
             if waiter.done():
                 self.notify_one()  # woken but gone: hand the wake-up on
             raise

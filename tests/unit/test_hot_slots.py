@@ -6,6 +6,7 @@ import pytest
 
 from app.router.control import share
 from app.router.hot_slots import LaneSlots
+from app.router.slot_waiters import SlotWaitAbandoned
 from tests.fakes import FakeClock, cpu_args
 
 
@@ -89,3 +90,47 @@ def test_the_hot_slots_leave_room_for_realtime_unless_it_has_replicas_of_its_own
     sequences = load_app_config(cpu_args()).hot_lane.engine.max_num_seqs
     assert limit(realtime_max_inflight=4) == (2 * (sequences - 4), 8)
     assert limit(realtime_reserved_hot_replicas=1) == (sequences, 8)
+
+
+def test_the_start_latency_is_the_recent_tail_or_longer_while_a_holder_still_waits_for_its_first_token():
+    clock = FakeClock()
+    slots = LaneSlots(2, clock=clock)
+    for _ in range(3):
+        token = slots.take(awaits_first_token=True)
+        clock.advance(0.1)
+        slots.first_token(token)
+        slots.release(token)
+    assert slots.start_latency_s() == pytest.approx(0.1)
+    # A burst: the holders' prefill takes far longer than the quiet spell's did, before any of them has finished.
+    slow, collected = slots.take(awaits_first_token=True), slots.take()
+    clock.advance(1.5)
+    assert slots.start_latency_s() == pytest.approx(1.5)  # the collected answer's wait is no first token's
+    slots.first_token(slow)
+    assert slots.start_latency_s() > 1.4  # now one of the recent ones, at their tail
+    slots.release(slow), slots.release(collected)
+
+
+def test_a_slot_released_before_its_first_token_stops_counting():
+    clock = FakeClock()
+    slots = LaneSlots(1, clock=clock)
+    token = slots.take(awaits_first_token=True)
+    clock.advance(5.0)
+    slots.release(token, record_hold=False)
+    assert slots.start_latency_s() == 0.0
+
+
+async def test_a_waiter_that_gives_up_leaves_the_line_and_the_next_one_takes_the_slot():
+    slots = LaneSlots(1)
+    held = slots.take()
+    late_for_target = {"first": False}
+    first = asyncio.create_task(slots.acquire(give_up=lambda: late_for_target["first"]))
+    second = asyncio.create_task(slots.acquire())
+    await asyncio.sleep(0.01)
+    assert slots.waiting == 2
+    late_for_target["first"] = True  # its TTFT target can no longer be met: it must not take the next slot
+    slots.release(held)
+    with pytest.raises(SlotWaitAbandoned):
+        await asyncio.wait_for(first, 1)
+    token = await asyncio.wait_for(second, 1)
+    assert slots.in_flight == 1 and slots.waiting == 0
+    slots.release(token)

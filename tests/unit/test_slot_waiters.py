@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from app.router.slot_waiters import SlotWaiters
+from app.router.slot_waiters import SlotWaitAbandoned, SlotWaiters
 
 
 class Slots:
@@ -105,3 +105,15 @@ async def test_a_slot_freed_from_another_thread_wakes_the_waiter_on_its_loop():
     thread.join()
     await asyncio.wait_for(task, timeout=1)
     assert order == [0]
+
+
+async def test_a_waiter_gives_up_at_a_recheck_without_a_slot_being_freed():
+    waiters, slots = SlotWaiters(recheck_s=0.02), Slots(0)
+    gave_up = {"now": False}
+    task = asyncio.create_task(waiters.wait_until(slots.has_slot, give_up=lambda: gave_up["now"]))
+    await asyncio.sleep(0.05)
+    assert len(waiters) == 1 and not task.done()
+    gave_up["now"] = True
+    with pytest.raises(SlotWaitAbandoned):
+        await asyncio.wait_for(task, 1)
+    assert len(waiters) == 0
