@@ -139,6 +139,14 @@ ROUTER_DECISION = MetricSpec(
     ("request_class",),
     ROUTER_DECISION_BUCKETS_S,
 )
+REQUEST_RECEIVE = MetricSpec(
+    "llm_lanes_request_receive_seconds",
+    "histogram",
+    "Router arrival to the request's body in hand: Serve's HTTP proxy hands the body over when the Router asks for "
+    "it, so a busy proxy shows here. The Router's TTFT and E2E start after it; its admission counts it.",
+    (),
+    TTFT_BUCKETS_S,
+)
 REPLICA_ROUTING = MetricSpec(
     "llm_lanes_replica_routing_seconds",
     "histogram",
@@ -175,6 +183,7 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     ADMISSION_DECISIONS_TOTAL,
     DEGRADE,
     ROUTER_DECISION,
+    REQUEST_RECEIVE,
     KV_CACHE_USAGE,
     PREFIX_CACHE_HIT_RATE,
     BATCH_BACKLOG,
@@ -258,6 +267,9 @@ class LlmLanesMetrics:
 
     def observe_router_decision(self, seconds: float, *, request_class: Any) -> None:
         self._observe(ROUTER_DECISION, seconds, request_class=request_class)
+
+    def observe_request_receive(self, seconds: float) -> None:
+        self._observe(REQUEST_RECEIVE, seconds)
 
     def observe_replica_routing(self, seconds: float, *, lane: str, reason: str) -> None:
         self._observe(REPLICA_ROUTING, seconds, lane=lane, reason=reason)

@@ -164,6 +164,7 @@ class HttpApi:
         record = pipeline.new_record(endpoint, request.headers if pipeline.tracing.enabled else None)
         try:
             body = await read_json_body(request, pipeline.cfg.router.max_request_bytes)
+            record.received()
         except api.OpenAIError as error:
             pipeline.count_refusal(record, None, request.headers.get(REQUEST_CLASS_HEADER), error.status)
             raise

@@ -80,7 +80,10 @@ class RequestRecord:
         self.recent_ttft = recent_ttft
         self.tracing = tracing
         self.clock = clock
-        self.arrived_at = clock()
+        # arrived_at: the request reached the Router (what admission's waits count from); received_at: its body
+        # is in hand too (Serve's HTTP proxy hands the body over when asked: on a busy proxy that takes a while),
+        # where the Router's own TTFT and E2E start.
+        self.arrived_at = self.received_at = clock()
         self.request_class: RequestClass | str | None = None  # a str only for UNKNOWN_CLASS
         self.lane: str = LANE_NONE
         self.ttft_s: float | None = None
@@ -104,6 +107,11 @@ class RequestRecord:
         """The trace context for the lane (LaneRequest.trace_carrier): its lane_generate span joins this trace."""
         return self.tracing.inject(self.context) if self.span is not None else {}
 
+    def received(self) -> None:
+        """The request's body is in hand (HTTP: read from Serve's proxy)."""
+        self.received_at = self.clock()
+        self.metrics.observe_request_receive(self.received_at - self.arrived_at)
+
     def admitted(self, request_class: RequestClass) -> None:
         self.request_class = request_class
         self._admitted_at = self.clock()
@@ -112,14 +120,14 @@ class RequestRecord:
 
     def decided(self) -> None:
         """Classified, admitted and routed: everything the Router does before the lane call."""
-        self.metrics.observe_router_decision(self.clock() - self.arrived_at, request_class=self.request_class)
+        self.metrics.observe_router_decision(self.clock() - self.received_at, request_class=self.request_class)
 
     def first_chunk(self, streamed: bool) -> None:
         now = self.clock()
         self._end_queue_wait()
         if not streamed:
             return
-        self.ttft_s = now - self.arrived_at
+        self.ttft_s = now - self.received_at
         self.metrics.observe_ttft(self.ttft_s, lane=self.lane, request_class=self.request_class)
         if self.recent_ttft is not None:
             self.recent_ttft.add(str(getattr(self.request_class, "value", self.request_class)), self.lane, self.ttft_s)
@@ -129,7 +137,7 @@ class RequestRecord:
     def succeeded(self, output_tokens: int) -> None:
         if self.finished:
             return
-        e2e = self.clock() - self.arrived_at
+        e2e = self.clock() - self.received_at
         self.metrics.observe_e2e(e2e, lane=self.lane, request_class=self.request_class)
         tpot = tpot_seconds(e2e, self.ttft_s, output_tokens) if self.ttft_s is not None else None
         if tpot is not None:

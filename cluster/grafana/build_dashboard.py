@@ -84,6 +84,13 @@ SECTIONS: list[tuple[str, list[dict]]] = [
             target(quantile(0.99, "ray_llm_lanes_router_decision_seconds", "request_class"), "{{request_class}} p99"),
         ], "s", "Classify + admit + lane/replica choice, without queue wait. Red line: the 2 ms p50 goal.",
             thresholds=GOAL_ROUTER),
+        panel("Request body receive p50 / p99", [
+            target(f"histogram_quantile(0.5, sum by (le) (rate(ray_llm_lanes_request_receive_seconds_bucket{{{APP}}}"
+                   f"[{RATE}])))", "p50"),
+            target(f"histogram_quantile(0.99, sum by (le) (rate(ray_llm_lanes_request_receive_seconds_bucket{{{APP}}}"
+                   f"[{RATE}])))", "p99"),
+        ], "s", "Router arrival to the request's body in hand, fetched from Serve's HTTP proxy: a busy proxy shows "
+                "here, before the Router's TTFT starts."),
         panel("Inter-token latency p99 (vLLM)", [
             target("histogram_quantile(0.99, sum by (le, deployment) (rate(ray_vllm_inter_token_latency_seconds_bucket"
                    f"[{RATE}]){WORKER_JOIN}))", "{{deployment}}"),

@@ -1,0 +1,39 @@
+"""RequestRecord's two clocks: admission counts from the request's arrival at the Router, the Router's TTFT and E2E
+from its body in hand (Serve's HTTP proxy hands the body over when asked, which a busy proxy delays)."""
+
+from app.classes import RequestClass
+from app.observability.tracing import Tracing
+from app.router.record import RequestRecord
+from tests.fakes import FakeClock
+
+
+class Observed:
+    def __init__(self):
+        self.values: dict[str, list[float]] = {}
+
+    def __getattr__(self, name):
+        if not name.startswith("observe_"):
+            return lambda *args, **kwargs: None
+        return lambda seconds, **tags: self.values.setdefault(name.removeprefix("observe_"), []).append(seconds)
+
+
+def test_the_ttft_starts_with_the_body_in_hand_and_the_wait_for_it_is_its_own_figure():
+    clock, metrics = FakeClock(), Observed()
+    record = RequestRecord(metrics, Tracing(), None, "completion", clock=clock)
+    clock.advance(1.5)  # the proxy took this long to hand the body over
+    record.received()
+    record.admitted(RequestClass.INTERACTIVE)
+    clock.advance(0.25)
+    record.first_chunk(streamed=True)
+    clock.advance(1.0)
+    record.succeeded(output_tokens=5)
+    assert metrics.values["request_receive"] == [1.5]
+    assert record.ttft_s == 0.25 and metrics.values["ttft"] == [0.25]
+    assert metrics.values["e2e"] == [1.25]
+    assert clock() - record.arrived_at == 2.75  # what admission's budget counts from
+
+
+def test_a_request_without_a_body_to_fetch_was_received_on_arrival():
+    clock = FakeClock()
+    record = RequestRecord(Observed(), Tracing(), None, "chat", clock=clock)
+    assert record.received_at == record.arrived_at
