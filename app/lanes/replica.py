@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from app.config import AppConfig, load_app_config
+from app.heap import freeze_startup_heap
 from app.lanes.engine_reaper import start_engine_reaper
 from app.lanes.replica_stats import KV_USAGE_STAT
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
@@ -162,6 +163,7 @@ class LaneReplica:
         # Before Serve marks this replica ready (the constructor returning): prefill the pinned prefixes.
         await self.prefix_feed.warm_up(self.engine.generate)
         self._metrics_task = asyncio.create_task(self._publish_engine_metrics_forever())
+        freeze_startup_heap()
 
     async def generate(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
         # Tracing off: no LaneTrace, and each step below pays one `is None` test.

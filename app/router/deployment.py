@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError
 from app.batch.store import BatchStoreError
 from app.classes import Lane
 from app.config import load_app_config
+from app.heap import freeze_startup_heap
 from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneReplicaLost, LaneRequest
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
@@ -170,6 +171,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
         self._rate_limit_task = asyncio.create_task(self._return_idle_allowances_forever())
+        freeze_startup_heap()
 
     async def _return_idle_allowances_forever(self) -> None:
         """Rate-limit allowances this Router holds but does not use go back to the shared buckets."""

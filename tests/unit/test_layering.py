@@ -1,7 +1,8 @@
 """Imports point down only: config <- classes <- batch, observability, lanes <- prefix_cache <- router <- main, tools.
 
 A module may import its own package and the packages below it; siblings on one level may import each other only
-where no cycle forms. proto (generated stubs and their converters) sits beside config at the bottom.
+where no cycle forms. proto (generated stubs and their converters) and heap (the process's garbage-collector set-up)
+sit beside config at the bottom.
 """
 
 import ast
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
-LEVEL = {"config": 0, "proto": 0, "classes": 1, "batch": 2, "observability": 2, "lanes": 2, "prefix_cache": 3,
+LEVEL = {"config": 0, "proto": 0, "heap": 0, "classes": 1, "batch": 2, "observability": 2, "lanes": 2, "prefix_cache": 3,
          "router": 4, "main": 5, "tools": 5}
 
 
