@@ -356,9 +356,12 @@ def _ascii_metadata_value(value: Any) -> str:
 
 
 def grpc_error_from_openai(
-    status: int, error_body: Mapping[str, Any] | None, retry_after_s: float | None = None
+    status: int, error_body: Mapping[str, Any] | None, retry_after_s: float | None = None,
+    metadata_headers: Mapping[str, str] | None = None,
 ) -> GrpcError:
-    """An HTTP status plus OpenAI error body ({"error": {"message", "type", "param", "code"}}) -> a gRPC error."""
+    """An HTTP status plus OpenAI error body ({"error": {"message", "type", "param", "code"}}) -> a gRPC error.
+    `metadata_headers`: HTTP headers of the answer that gRPC callers get as trailing metadata too (the
+    x-ratelimit-* ones)."""
     error = (error_body or {}).get("error") or {}
     details = str(error.get("message") or f"HTTP {status}")
     metadata: list[tuple[str, str]] = [("http-status", str(status))]
@@ -367,7 +370,18 @@ def grpc_error_from_openai(
             metadata.append((f"error-{key}", _ascii_metadata_value(error[key])))
     if retry_after_s is not None:
         metadata.append(("retry-after", _ascii_metadata_value(int(round(retry_after_s)))))
+    metadata.extend(metadata_from_headers(metadata_headers or {}))
     return GrpcError(code=grpc_code_for_http_status(status), details=details, trailing_metadata=tuple(metadata))
+
+
+# HTTP answer headers that gRPC callers get as metadata: OpenAI's rate-limit headers.
+METADATA_HEADER_PREFIXES = ("x-ratelimit-",)
+
+
+def metadata_from_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The headers of an answer that travel as gRPC metadata (lower-case keys, as gRPC requires)."""
+    return [(name.lower(), _ascii_metadata_value(value)) for name, value in headers.items()
+            if name.lower().startswith(METADATA_HEADER_PREFIXES)]
 
 
 class GrpcContextLike(Protocol):

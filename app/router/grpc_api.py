@@ -61,7 +61,7 @@ def set_grpc_error(grpc_context, error: api.OpenAIError | BatchStoreError) -> co
         error = openai_error_from_store(error)
     retry_after = error.headers.get("Retry-After")
     grpc_error = convert.grpc_error_from_openai(error.status, error.body(),
-                                                float(retry_after) if retry_after else None)
+                                                float(retry_after) if retry_after else None, error.headers)
     if grpc_context is not None:
         convert.apply_grpc_error(grpc_context, grpc_error)
     return grpc_error
@@ -211,8 +211,14 @@ class GrpcApi:
         principal = self.authenticate_grpc(grpc_context)
         self.check_size(request)
         body, request_class = self._body(endpoint, request, stream)
-        return await pipeline.answer(endpoint, body, class_header=request_class,
-                                     record=pipeline.new_record(endpoint, carrier), principal=principal)
+        answer = await pipeline.answer(endpoint, body, class_header=request_class,
+                                       record=pipeline.new_record(endpoint, carrier), principal=principal)
+        # The key's rate-limit state, as HTTP's x-ratelimit-* headers say it (Serve sends the context's trailing
+        # metadata with the reply, and on a stream with its messages).
+        metadata = convert.metadata_from_headers(answer.headers())
+        if metadata and grpc_context is not None:
+            grpc_context.set_trailing_metadata(metadata)
+        return answer
 
     @staticmethod
     def _serving(call) -> pb.ServingInfo:

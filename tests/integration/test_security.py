@@ -197,25 +197,33 @@ def test_files_and_batches_are_isolated_between_tenants(url, stub, served_model)
 
 # ---- rate limits -----------------------------------------------------------------------------------------------------
 
-def test_a_rate_limit_holds_across_both_router_replicas(url, served_model):
+def test_a_rate_limit_holds_across_both_router_replicas(url, stub, served_model):
     """A flood at a key limited to 30 requests a minute: the bucket allows 30 at once plus its refill while the flood
-    lasts (30 / 60 per second), for both Routers together."""
+    lasts (30 / 60 per second), for both Routers together. gRPC callers get the same x-ratelimit-* fields as
+    trailing metadata."""
     requests = 3 * RATE_LIMIT_RPM
+    limited_key = [APPLICATION, ("authorization", f"Bearer {KEY_LIMITED}")]
+    grpc_request = pb.CompletionRequest(model=served_model, prompt="hello", sampling=pb.SamplingParams(max_tokens=1))
 
     def one(_):
         return complete(url, served_model, KEY_LIMITED, max_tokens=1)
 
     started = time.monotonic()
+    _, call = stub.Complete.with_call(grpc_request, metadata=limited_key, timeout=120)
+    grpc_limits = dict(call.trailing_metadata())
+    assert grpc_limits["x-ratelimit-limit-requests"] == str(RATE_LIMIT_RPM), grpc_limits
+    assert "x-ratelimit-remaining-requests" in grpc_limits and "x-ratelimit-reset-requests" in grpc_limits
     with ThreadPoolExecutor(max_workers=6) as pool:
         answers = list(pool.map(one, range(requests)))
     elapsed = time.monotonic() - started
     ok = [a for a in answers if a.status_code == 200]
     limited = [a for a in answers if a.status_code == 429]
     assert len(ok) + len(limited) == requests, {a.status_code for a in answers}
+    admitted = len(ok) + 1  # and the gRPC request
     allowed = RATE_LIMIT_RPM + RATE_LIMIT_RPM * elapsed / 60
-    print(f"rate limit {RATE_LIMIT_RPM}/min over {ROUTERS} Routers: {len(ok)} admitted, {len(limited)} refused "
+    print(f"rate limit {RATE_LIMIT_RPM}/min over {ROUTERS} Routers: {admitted} admitted, {len(limited)} refused "
           f"in {elapsed:.1f} s; the bucket allows {allowed:.1f}")
-    assert abs(len(ok) - allowed) <= 0.1 * allowed
+    assert abs(admitted - allowed) <= 0.1 * allowed
     for answer in ok[:3]:
         assert answer.headers["x-ratelimit-limit-requests"] == str(RATE_LIMIT_RPM)
         assert "x-ratelimit-remaining-requests" in answer.headers and "x-ratelimit-reset-requests" in answer.headers
@@ -223,6 +231,19 @@ def test_a_rate_limit_holds_across_both_router_replicas(url, served_model):
     assert refusal.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(refusal.headers["Retry-After"]) <= 60
     assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
+    # The bucket is empty now (it refills one request every 2 s): a gRPC request or two later, one is refused.
+    for _ in range(3):
+        try:
+            stub.Complete(grpc_request, metadata=limited_key, timeout=120)
+        except grpc.RpcError as error:
+            grpc_refusal = error
+            break
+    else:
+        pytest.fail("three gRPC requests on an empty bucket were all admitted")
+    assert grpc_refusal.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    refused_limits = dict(grpc_refusal.trailing_metadata())
+    assert refused_limits["error-code"] == "rate_limit_exceeded" and 1 <= int(refused_limits["retry-after"]) <= 60
+    assert refused_limits["x-ratelimit-remaining-requests"] == "0", refused_limits
     # Other keys are not limited by it.
     assert complete(url, served_model, KEY_B).status_code == 200
 

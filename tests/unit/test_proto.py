@@ -294,6 +294,16 @@ def test_grpc_error_from_openai_carries_body_and_retry_after():
     assert convert.grpc_error_from_openai(500, None).details == "HTTP 500"
 
 
+def test_rate_limit_headers_travel_as_grpc_metadata_and_other_headers_do_not():
+    headers = {"x-ratelimit-limit-requests": "30", "X-RateLimit-Remaining-Tokens": "0", "x-llm-lanes-lane": "hot",
+               "Retry-After": "3"}
+    assert convert.metadata_from_headers(headers) == [("x-ratelimit-limit-requests", "30"),
+                                                      ("x-ratelimit-remaining-tokens", "0")]
+    error = convert.grpc_error_from_openai(429, {"error": {"message": "slow down"}}, 3, headers)
+    assert error.trailing_metadata == (("http-status", "429"), ("retry-after", "3"),
+                                       ("x-ratelimit-limit-requests", "30"), ("x-ratelimit-remaining-tokens", "0"))
+
+
 # A caller that sends a W3C traceparent along with the application name.
 TRACED_METADATA = (("application", "llm-lanes"), ("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"))
 
