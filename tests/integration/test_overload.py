@@ -107,6 +107,7 @@ async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(ove
                f"stats: {stats}\n"
                f"capacity {capacity}, {interactive_streams} interactive streams, SLO {slo_s} s; this process "
                f"on a CPU / waiting for one (s per s): {result.get('generator')}")
+    print(figures)  # in the captured output: the figures of a passing run too
 
     # Nothing failed on the server's side; interactive requests were admitted or refused with 429, flex ones (the
     # batch class is queued, never refused for load) all admitted.
