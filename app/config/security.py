@@ -13,6 +13,7 @@ from app.config.base import StrictModel
 REQUEST_CLASS_NAMES = ("realtime", "interactive", "batch")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+MAX_TENANT_WEIGHT = 100
 
 
 class ApiKeyConfig(StrictModel):
@@ -49,12 +50,25 @@ class AuthConfig(StrictModel):
     # of keys, and an environment variable of the Router replicas holding a JSON list of keys.
     keys_file: str | None = None
     keys_env: str | None = None
+    # Fair share between tenants waiting for the hot lane's slots: a tenant of weight w takes up to w freed slots in
+    # a row on its turn (weighted round robin); a tenant not named here has weight 1. Each name must be the tenant of
+    # some key (checked when the Router loads its keys).
+    tenant_weights: dict[str, int] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "AuthConfig":
         if self.mode == "none" and (self.keys or self.keys_file or self.keys_env):
             raise ValueError("mode 'none' would ignore the keys given: set mode: keys, or drop keys, keys_file and "
                              "keys_env")
+        if self.mode == "none" and self.tenant_weights:
+            raise ValueError("tenant_weights needs keys (mode 'none' serves one tenant): set mode: keys with keys of "
+                             "those tenants, or drop tenant_weights")
+        for tenant, weight in self.tenant_weights.items():
+            if not re.fullmatch(TENANT_PATTERN, tenant):
+                raise ValueError(f"tenant_weights: {tenant!r} is not a tenant id (a letter or digit, then letters, digits, '.', '_', '-'; 64 at most)")
+            if not 1 <= weight <= MAX_TENANT_WEIGHT:
+                raise ValueError(f"tenant_weights: {tenant!r} has weight {weight}; a weight is 1 to "
+                                 f"{MAX_TENANT_WEIGHT} (the slots it takes in a row on its turn)")
         hashes = [key.sha256 for key in self.keys]
         if len(hashes) != len(set(hashes)):
             raise ValueError("the same key (sha256) is listed twice: keep one entry per key")

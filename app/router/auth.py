@@ -112,6 +112,10 @@ class KeyRing:
                 classes=frozenset(RequestClass(name) for name in key.classes), admin=key.admin,
                 requests_per_minute=key.requests_per_minute, tokens_per_minute=key.tokens_per_minute,
                 key_id=key.sha256[:16])
+        unknown = sorted(set(auth.tenant_weights) - {p.tenant for p in self._principals.values()})
+        if unknown:
+            raise KeySourceError(f"auth.tenant_weights names {', '.join(map(repr, unknown))}, the tenant of no key: "
+                                 "fix the name, or add a key of that tenant")
         if not self.open and not self._principals:
             raise KeySourceError("auth.mode is 'keys' but no key is configured: add auth.keys (SHA-256 hashes), "
                                  "auth.keys_file or auth.keys_env, or set auth.mode: none explicitly to serve "

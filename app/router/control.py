@@ -69,7 +69,8 @@ class TrafficControl:
         }
         self._hot_kv_exhausted_until = 0.0
         # Router-side slots exist only where there is a choice to make: admission on and a cold lane to spill to.
-        self.hot_slots = LaneSlots(0, clock=clock) if self.enabled and cfg.cold_lane is not None else None
+        self.hot_slots = (LaneSlots(0, clock=clock, tenant_weights=cfg.auth.tenant_weights)
+                          if self.enabled and cfg.cold_lane is not None else None)
         self.cold_spill = LaneSlots(0, clock=clock) if self.hot_slots is not None else None
         self.set_replica_counts(hot=cfg.hot_lane.deployment.min_replicas,
                                 cold=cfg.cold_lane.deployment.min_replicas if cfg.cold_lane is not None else 0,

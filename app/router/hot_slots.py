@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from app.observability.percentile import percentile
 from app.router.slot_waiters import DEFAULT_TENANT, SlotWaiters
@@ -29,7 +29,7 @@ HOLD_TIME_SAMPLES = 32
 
 class LaneSlots:
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic,
-                 hold_samples: int = HOLD_TIME_SAMPLES):
+                 hold_samples: int = HOLD_TIME_SAMPLES, tenant_weights: Mapping[str, int] | None = None):
         self.limit = max(limit, 0)
         self.clock = clock
         self.in_flight = 0
@@ -39,7 +39,7 @@ class LaneSlots:
         self._next_token = 0
         self._holds: deque[float] = deque(maxlen=hold_samples)
         self._start_latencies: deque[float] = deque(maxlen=hold_samples)
-        self._waiters = SlotWaiters()
+        self._waiters = SlotWaiters(weights=tenant_weights)
 
     @property
     def waiting(self) -> int:

@@ -1,9 +1,10 @@
 """Requests waiting in the Router for a slot: tenants take turns, each tenant's requests first come, first served;
 woken one per freed slot.
 
-Fair share: a freed slot goes to the next tenant in rotation that has a request waiting (round robin, equal
-weights), so one tenant's flood of waiting requests delays another tenant's by at most one slot per flooding
-tenant, not by the whole flood. With one tenant this is plain first come, first served.
+Fair share: a freed slot goes to the next tenant in rotation that has a request waiting (weighted round robin: a
+tenant of weight w takes up to w slots in a row on its turn, 1 by default), so one tenant's flood of waiting
+requests delays another tenant's by at most its weight in slots per turn, not by the whole flood. With one tenant
+this is plain first come, first served.
 
 Pure asyncio, no Ray. The condition a waiter needs (a free hot-lane slot) lives elsewhere (LaneSlots); this only
 parks the waiters and wakes them. A waiter also re-checks every `recheck_s`, because a condition can become true
@@ -13,8 +14,9 @@ without a slot being freed (the Router's share of the slots grows when a replica
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from app.batch.store import DEFAULT_TENANT
 
@@ -26,12 +28,17 @@ class SlotWaitAbandoned(Exception):
 
 
 class SlotWaiters:
-    def __init__(self, recheck_s: float = RECHECK_S):
+    def __init__(self, recheck_s: float = RECHECK_S, weights: Mapping[str, int] | None = None):
+        """`weights`: slots a tenant takes in a row on its turn (auth.tenant_weights); 1 for a tenant not named."""
         if recheck_s <= 0:
             raise ValueError(f"recheck_s={recheck_s} must be > 0")
+        if weights and min(weights.values()) < 1:
+            raise ValueError(f"tenant weights must be >= 1, got {dict(weights)}")
         self.recheck_s = recheck_s
+        self.weights = dict(weights or {})
         self._queues: dict[str, deque[asyncio.Future]] = {}
         self._turns: deque[str] = deque()  # tenants with a queue, the next to be served first
+        self._served_this_turn = 0  # slots the tenant at the front of _turns has taken on its current turn
         self._waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -42,12 +49,17 @@ class SlotWaiters:
     def waiting_by_tenant(self) -> dict[str, int]:
         return {tenant: sum(not w.done() for w in queue) for tenant, queue in self._queues.items()}
 
+    def weight(self, tenant: str) -> int:
+        return self.weights.get(tenant, 1)
+
     def ahead_of(self, tenant: str) -> int:
         """Requests served before one of `tenant` that joins the line now: its tenant's own waiting requests, and of
-        every other tenant as many as take turns meanwhile (one per turn of this tenant, at most all they have)."""
+        every other tenant as many as take their turns meanwhile (its weight per turn of this tenant, at most all
+        it has waiting)."""
         waiting = self.waiting_by_tenant()
         own = waiting.get(tenant, 0)
-        return own + sum(min(count, own + 1) for other, count in waiting.items() if other != tenant)
+        turns = math.ceil((own + 1) / self.weight(tenant))
+        return own + sum(min(count, turns * self.weight(other)) for other, count in waiting.items() if other != tenant)
 
     def _enqueue(self, tenant: str, waiter: asyncio.Future) -> None:
         if tenant not in self._queues:
@@ -111,16 +123,24 @@ class SlotWaiters:
 
     def _wake_first(self) -> None:
         while self._turns:
-            tenant = self._turns.popleft()
+            tenant = self._turns[0]
             queue = self._queues[tenant]
             while queue and queue[0].done():
                 queue.popleft()  # left the line (cancelled) or already woken
             if not queue:
-                del self._queues[tenant]
+                self._end_turn(tenant)
                 continue
             queue.popleft().set_result(None)
-            if queue:
-                self._turns.append(tenant)  # its next request waits for the other tenants' turns
-            else:
-                del self._queues[tenant]
+            self._served_this_turn += 1
+            if self._served_this_turn >= self.weight(tenant) or not queue:
+                self._end_turn(tenant)
             return
+
+    def _end_turn(self, tenant: str) -> None:
+        """The tenant at the front has had its turn: to the back of the rotation while it has requests waiting."""
+        self._turns.popleft()
+        self._served_this_turn = 0
+        if self._queues[tenant]:
+            self._turns.append(tenant)  # its next request waits for the other tenants' turns
+        else:
+            del self._queues[tenant]

@@ -212,3 +212,13 @@ def test_grpc_an_empty_model_is_not_found_as_on_http(tmp_path):
     context = FakeGrpcContext()
     asyncio.run(router.Complete(pb.CompletionRequest(prompt="hello"), context))
     assert context.code == grpc.StatusCode.NOT_FOUND and "model" in context.details
+
+
+def test_tenant_weights_name_tenants_of_keys_with_weights_of_1_to_100():
+    assert ring(tenant_weights={"team-a": 3}).tenants == {"team-a", "team-b", "ops"}
+    with pytest.raises(KeySourceError, match=r"auth.tenant_weights names 'team-z', the tenant of no key"):
+        ring(tenant_weights={"team-z": 2})
+    with pytest.raises(ConfigError, match=r"auth: .*tenant_weights: 'team-a' has weight 0; a weight is 1 to 100"):
+        load_app_config(cpu_args(auth={"keys": KEYS, "tenant_weights": {"team-a": 0}}))
+    with pytest.raises(ConfigError, match=r"auth: .*tenant_weights needs keys"):
+        load_app_config(cpu_args(auth={"mode": "none", "tenant_weights": {"default": 2}}))

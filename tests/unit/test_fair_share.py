@@ -99,3 +99,30 @@ def test_the_predicted_wait_is_a_tenants_turn_not_the_whole_line():
     flood, other, slots = asyncio.run(run())
     hold = slots.hold_time_s()  # the clock stood still since
     assert flood == pytest.approx((10 + 1) * hold / 2) and other == pytest.approx((1 + 1) * hold / 2)
+
+
+def test_a_tenant_of_weight_three_takes_three_slots_per_turn_and_its_wait_is_predicted_so():
+    async def run():
+        slots = LaneSlots(limit=1, tenant_weights={"gold": 3})
+        held = slots.take()
+        order = []
+
+        async def request(tenant, name):
+            token = await slots.acquire(tenant)
+            order.append(name)
+            await asyncio.sleep(0)
+            slots.release(token)
+
+        tasks = [asyncio.create_task(request("std", f"s{i}")) for i in range(4)]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(request("gold", f"g{i}")) for i in range(6)]
+        await asyncio.sleep(0.01)
+        # A new gold request waits for the 6 gold ones (two turns of 3) and a standard one per gold turn (3 turns).
+        ahead_gold, ahead_std = slots._waiters.ahead_of("gold"), slots._waiters.ahead_of("std")
+        slots.release(held)
+        await asyncio.gather(*tasks)
+        return order, ahead_gold, ahead_std
+
+    order, ahead_gold, ahead_std = asyncio.run(run())
+    assert order == ["s0", "g0", "g1", "g2", "s1", "g3", "g4", "g5", "s2", "s3"], order
+    assert ahead_gold == 6 + 3 and ahead_std == 4 + 6
