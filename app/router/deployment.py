@@ -73,7 +73,7 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: 
                    # This Router's share of the hot engines' slots for interactive requests, and of the cold
                    # lane's room for spilled ones: limit, in flight, waiting, peak, hold time.
                    **control.slot_stats(),
-                   # TTFT of this Router's recent streamed requests (arrival to first chunk), per class and lane.
+                   # TTFT of this Router's recent streamed requests (body in hand to first chunk), per class and lane.
                    "ttft_ms": pipeline.recent_ttft.summary(),
                    # The window is per cold replica; this Router keeps its share of window x cold replicas.
                    "batch_window": dispatcher.window.size,

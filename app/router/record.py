@@ -25,7 +25,7 @@ RECENT_TTFT_SAMPLES = 512
 
 
 class RecentTtft:
-    """This Router's last TTFTs (streamed requests, arrival to first chunk) per class and lane, as p50 / p99 for
+    """This Router's last TTFTs (streamed requests, body in hand to first chunk) per class and lane, as p50 / p99 for
     `/v1/admin/stats`: what the Router itself measured, free of any client's own delays. The histogram metric
     (llm_lanes_ttft_seconds) is the long-run record; this is the recent window."""
 

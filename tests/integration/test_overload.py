@@ -89,8 +89,9 @@ async def test_overload_keeps_the_hot_lane_busy_and_admitted_ttft_within_slo(ove
                                       PROMPT_TOKENS, 1, REQUEST_TIMEOUT_S)
         result = await drive(scenario, app_url)
         sampler.phase = "after"
-    # The Router's own TTFT of its recent streamed requests (arrival to first chunk): what admission controls,
-    # free of this test process's own waits for a CPU on a 2-core machine that also runs the engines.
+    # The Router's own TTFT of its recent streamed requests (body in hand to first chunk): what admission controls,
+    # free of this test process's own waits for a CPU on a 2-core machine that also runs the engines, and of the
+    # HTTP proxy's (it hands each body to the Router when asked, late while the proxy is starved of a CPU).
     async with httpx.AsyncClient(timeout=30) as client:
         router_ttft = (await client.get(f"{app_url}/v1/admin/stats")).json()["router"]["ttft_ms"]["interactive"]
 
