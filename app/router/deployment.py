@@ -147,6 +147,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         self.tracing = setup_tracing(cfg.observability.tracing.model_dump(), component="Router")
         handles = {Lane.HOT: hot_lane} if cold_lane is None else {Lane.HOT: hot_lane, Lane.COLD: cold_lane}
         self.lane_handles = handles
+        self.router_replica_id = serve.get_replica_context().replica_id.unique_id
         # Running replicas per lane, read from the Serve controller every few seconds; None until the first read.
         self.lane_replicas: dict[str, int | None] = {lane.value: None for lane in handles}
         self.control = TrafficControl(cfg)

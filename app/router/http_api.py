@@ -102,8 +102,13 @@ def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -
     return app
 
 
+ROUTER_REPLICA_HEADER = "x-llm-lanes-router"
+
+
 class HttpApi:
     pipeline: RequestPipeline
+    # This Router replica's id (Serve's unique replica id), sent with every generated answer; None outside Serve.
+    router_replica_id: str | None = None
 
     def authenticate_http(self, request: Request, admin: bool = False) -> Principal:
         """The caller of an HTTP request, from its `Authorization: Bearer` key (401, or 403 for a non-admin key
@@ -173,6 +178,8 @@ class HttpApi:
                                        record=record, principal=principal)
         # The lane that started the answer (a decode handoff's continuation says so in x-llm-lanes-degraded).
         headers = answer.headers()
+        if self.router_replica_id is not None:
+            headers[ROUTER_REPLICA_HEADER] = self.router_replica_id
         if answer.events is not None:
             return StreamingResponse(answer.events, media_type="text/event-stream", headers=headers)
         return JSONResponse(answer.response, headers=headers)

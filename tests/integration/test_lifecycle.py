@@ -48,6 +48,7 @@ class Outcome:
     ended: float = 0.0
     status: int = 0
     replica: str = ""
+    router: str = ""  # the Router replica that answered (x-llm-lanes-router)
     finished: bool = False  # a stream ended with a finish_reason and [DONE]; a flex request got its completion
     error: str = ""
 
@@ -72,6 +73,7 @@ class Load:
                 async with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as response:
                     outcome.status, outcome.replica = response.status_code, response.headers.get(
                         "x-llm-lanes-replica", "")
+                    outcome.router = response.headers.get("x-llm-lanes-router", "")
                     reason = None
                     async for line in response.aiter_lines():
                         if not line.startswith("data: "):
