@@ -16,22 +16,26 @@ from tests.fakes import FakeClock
 IA = RequestClass.INTERACTIVE
 
 
+async def queue_requests(slots: LaneSlots, tenant: str, count: int, order: list[str]) -> list[asyncio.Task]:
+    """`count` requests of `tenant` waiting for a slot of `slots` (named tenant[0] + index); each notes its name in
+    `order` when it gets a slot and gives the slot back at once."""
+    async def request(name):
+        token = await slots.acquire(tenant)
+        order.append(name)
+        await asyncio.sleep(0)
+        slots.release(token)
+
+    tasks = [asyncio.create_task(request(f"{tenant[0]}{i}")) for i in range(count)]
+    await asyncio.sleep(0.01)
+    return tasks
+
+
 def test_a_freed_slot_goes_to_the_tenants_in_turn_not_to_the_flood_in_arrival_order():
     async def run():
         slots = LaneSlots(limit=1)
         held = slots.take()
         order = []
-
-        async def request(tenant, name):
-            token = await slots.acquire(tenant)
-            order.append(name)
-            await asyncio.sleep(0)
-            slots.release(token)
-
-        tasks = [asyncio.create_task(request("a", f"a{i}")) for i in range(6)]
-        await asyncio.sleep(0.01)
-        tasks += [asyncio.create_task(request("b", f"b{i}")) for i in range(2)]
-        await asyncio.sleep(0.01)
+        tasks = await queue_requests(slots, "a", 6, order) + await queue_requests(slots, "b", 2, order)
         assert slots.stats()["waiting_by_tenant"] == {"a": 6, "b": 2}
         slots.release(held)
         await asyncio.gather(*tasks)
@@ -106,17 +110,7 @@ def test_a_tenant_of_weight_three_takes_three_slots_per_turn_and_its_wait_is_pre
         slots = LaneSlots(limit=1, tenant_weights={"gold": 3})
         held = slots.take()
         order = []
-
-        async def request(tenant, name):
-            token = await slots.acquire(tenant)
-            order.append(name)
-            await asyncio.sleep(0)
-            slots.release(token)
-
-        tasks = [asyncio.create_task(request("std", f"s{i}")) for i in range(4)]
-        await asyncio.sleep(0.01)
-        tasks += [asyncio.create_task(request("gold", f"g{i}")) for i in range(6)]
-        await asyncio.sleep(0.01)
+        tasks = await queue_requests(slots, "std", 4, order) + await queue_requests(slots, "gold", 6, order)
         # A new gold request waits for the 6 gold ones (two turns of 3) and a standard one per gold turn (3 turns).
         ahead_gold, ahead_std = slots._waiters.ahead_of("gold"), slots._waiters.ahead_of("std")
         slots.release(held)
