@@ -65,7 +65,8 @@ class AuthConfig(StrictModel):
                              "those tenants, or drop tenant_weights")
         for tenant, weight in self.tenant_weights.items():
             if not re.fullmatch(TENANT_PATTERN, tenant):
-                raise ValueError(f"tenant_weights: {tenant!r} is not a tenant id (a letter or digit, then letters, digits, '.', '_', '-'; 64 at most)")
+                raise ValueError(f"tenant_weights: {tenant!r} is not a tenant id (a letter or digit, then letters, "
+                                 "digits, '.', '_', '-'; 64 at most)")
             if not 1 <= weight <= MAX_TENANT_WEIGHT:
                 raise ValueError(f"tenant_weights: {tenant!r} has weight {weight}; a weight is 1 to "
                                  f"{MAX_TENANT_WEIGHT} (the slots it takes in a row on its turn)")

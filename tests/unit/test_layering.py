@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
-LEVEL = {"config": 0, "proto": 0, "heap": 0, "classes": 1, "batch": 2, "observability": 2, "lanes": 2, "prefix_cache": 3,
-         "router": 4, "main": 5, "tools": 5}
+LEVEL = {"config": 0, "proto": 0, "heap": 0, "classes": 1, "batch": 2, "observability": 2, "lanes": 2,
+         "prefix_cache": 3, "router": 4, "main": 5, "tools": 5}
 
 
 def package_of(module: str) -> str:
