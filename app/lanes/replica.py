@@ -220,15 +220,18 @@ class LaneReplica:
         finished = False
         try:
             async for chunk in self.engine.generate(request):
-                if chunk.finish_reason is not None:
+                if chunk.finish_reason is not None and not finished:
+                    # The engine is done with the sequence: it leaves the in-flight count before its last chunk goes
+                    # out, since the Router gives the request's slot to the next one on that chunk.
                     finished = True
+                    self.inflight_by_class[name] -= 1
                 if trace is not None:
                     trace.chunk(chunk)
                 yield chunk
             self.served_by_class[name] += 1
         finally:
-            self.inflight_by_class[name] -= 1
             if not finished:
+                self.inflight_by_class[name] -= 1
                 # Cancelled (client gone, deadline) or failed: make sure the engine drops the sequence.
                 self.aborted_by_class[name] += 1
                 await asyncio.shield(self.engine.abort(request.request_id))

@@ -526,6 +526,20 @@ async def test_an_abandoned_stream_leaves_the_engine_before_generate_returns(mon
         replica.__del__()
 
 
+async def test_a_request_leaves_the_in_flight_count_before_its_last_chunk_goes_out(monkeypatch):
+    """The Router gives a request's slot to the next one on its last chunk: by then the replica counts it out."""
+    replica, _ = await make_replica(monkeypatch, "none")
+    try:
+        counts = []
+        async for chunk in replica.generate(lane_request({})):
+            counts.append((chunk.finish_reason, replica.inflight_by_class["batch"]))
+        assert counts[-1][0] is not None and counts[-1][1] == 0, counts
+        assert all(count == 1 for reason, count in counts if reason is None), counts
+        assert replica.served_by_class["batch"] == 1 and replica.aborted_by_class["batch"] == 0
+    finally:
+        replica.__del__()
+
+
 async def test_lane_replica_without_tracing_records_nothing_and_publishes_engine_gauges(monkeypatch):
     replica, backend = await make_replica(monkeypatch, "none")
     try:
