@@ -202,13 +202,15 @@ class LaneCall:
                 token = slots.take(awaits_first_token=streamed)
             else:
                 arrived_at = self.context.record.arrived_at
-                budget_s = (self.control.hot_wait_budget_s(time.monotonic() - arrived_at)
-                            if decision.wait_for_hot_slot else self._remaining())
+
+                def hot_wait_budget_s() -> float:
+                    return self.control.hot_wait_budget_s(time.monotonic() - arrived_at)
+
+                budget_s = hot_wait_budget_s() if decision.wait_for_hot_slot else self._remaining()
                 # The budget is worked out again while waiting: the lane's time from a slot to the first token
                 # can grow meanwhile (a burst slows prefill), and a request that can no longer start within the
                 # TTFT target leaves the line for a new decision instead of taking a slot late.
-                give_up = ((lambda: self.control.hot_wait_budget_s(time.monotonic() - arrived_at) <= 0)
-                           if decision.wait_for_hot_slot else None)
+                give_up = (lambda: hot_wait_budget_s() <= 0) if decision.wait_for_hot_slot else None
                 try:
                     token = await asyncio.wait_for(slots.acquire(self.context.tenant, streamed, give_up),
                                                    timeout=min(budget_s, self._remaining()))
