@@ -221,14 +221,15 @@ class LaneReplica:
         try:
             async for chunk in self.engine.generate(request):
                 if chunk.finish_reason is not None and not finished:
-                    # The engine is done with the sequence: it leaves the in-flight count before its last chunk goes
-                    # out, since the Router gives the request's slot to the next one on that chunk.
+                    # The engine is done with the sequence: it is counted served and out of flight before its last
+                    # chunk goes out, since the Router gives the request's slot to the next one on that chunk and
+                    # the client may read these counts as soon as it has that chunk.
                     finished = True
                     self.inflight_by_class[name] -= 1
+                    self.served_by_class[name] += 1
                 if trace is not None:
                     trace.chunk(chunk)
                 yield chunk
-            self.served_by_class[name] += 1
         finally:
             if not finished:
                 self.inflight_by_class[name] -= 1

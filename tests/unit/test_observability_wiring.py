@@ -526,15 +526,15 @@ async def test_an_abandoned_stream_leaves_the_engine_before_generate_returns(mon
         replica.__del__()
 
 
-async def test_a_request_leaves_the_in_flight_count_before_its_last_chunk_goes_out(monkeypatch):
-    """The Router gives a request's slot to the next one on its last chunk: by then the replica counts it out."""
+async def test_a_request_is_counted_served_before_its_last_chunk_goes_out(monkeypatch):
+    """The Router gives a request's slot to the next one on its last chunk: by then the replica counts it served."""
     replica, _ = await make_replica(monkeypatch, "none")
     try:
         counts = []
         async for chunk in replica.generate(lane_request({})):
-            counts.append((chunk.finish_reason, replica.inflight_by_class["batch"]))
-        assert counts[-1][0] is not None and counts[-1][1] == 0, counts
-        assert all(count == 1 for reason, count in counts if reason is None), counts
+            counts.append((chunk.finish_reason, replica.inflight_by_class["batch"], replica.served_by_class["batch"]))
+        assert counts[-1][0] is not None and counts[-1][1:] == (0, 1), counts
+        assert all((inflight, served) == (1, 0) for reason, inflight, served in counts if reason is None), counts
         assert replica.served_by_class["batch"] == 1 and replica.aborted_by_class["batch"] == 0
     finally:
         replica.__del__()
