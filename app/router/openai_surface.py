@@ -38,6 +38,7 @@ import contextvars
 import inspect
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,6 +261,20 @@ def _error_from_exception(error: Exception) -> api.OpenAIError:
     return _error_from_response(_create_error_response(error))
 
 
+def _structured_outputs_config(engine_args):
+    """The engine arguments' structured-outputs config with the reasoning parser merged in. 0.32 has a method for
+    it; 0.26 merges inside create_engine_config, which also builds the device and parallel configs the Router has no
+    use for, so the same two assignments are made here."""
+    if hasattr(engine_args, "create_structured_outputs_config"):
+        return engine_args.create_structured_outputs_config()
+    config = engine_args.structured_outputs_config
+    if engine_args.reasoning_parser:
+        config.reasoning_parser = engine_args.reasoning_parser
+    if getattr(engine_args, "reasoning_parser_plugin", None):
+        config.reasoning_parser_plugin = engine_args.reasoning_parser_plugin
+    return config
+
+
 class OpenAISurface:
     """vLLM's OpenAI serving classes over the request pipeline, for one served model."""
 
@@ -296,7 +311,7 @@ class OpenAISurface:
         model_config.quantization = None  # rendering only: no kernels here
         envs.VLLM_CPU_KVCACHE_SPACE = 0  # no KV cache here either (silences the CPU platform's check)
         vllm_config = VllmConfig(model_config=model_config,
-                                 structured_outputs_config=engine_args.create_structured_outputs_config())
+                                 structured_outputs_config=_structured_outputs_config(engine_args))
         self.renderer = renderer_from_config(vllm_config)
         self.engine_client = _LaneEngineClient(vllm_config, self.renderer)
         chat_template = _load_chat_template(model.chat_template)
@@ -466,15 +481,20 @@ def _text_chars(value: Any) -> int:
     return 0
 
 
+# A segment of a pydantic error's location that names one of its validators, not a field: "function-wrap[f()]".
+_PYDANTIC_LOC_MARKER = re.compile(r"[\[\]{}()]")
+
+
 def _validation_error(error: ValidationError) -> api.OpenAIError:
     """pydantic's errors on vLLM's request model -> one 400 naming the first parameter, as vLLM's server does."""
     from vllm.exceptions import VLLMValidationError
 
     try:
         from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
-    except ImportError:  # vLLM 0.26
+    except ImportError:  # vLLM 0.26: no helper; drop "body" and pydantic's own markers ("function-wrap[...]")
         def clean_loc_for_param(loc: tuple) -> str:
-            return ".".join(str(part) for part in loc if part != "body")
+            return ".".join(str(part) for part in loc
+                            if part != "body" and not _PYDANTIC_LOC_MARKER.search(str(part))) or "body"
 
     errors = error.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
