@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from app.router.arrival_stamp import CALLBACK_ENV as ARRIVAL_CALLBACK_ENV
+from app.router.arrival_stamp import CALLBACK_IMPORT_PATH as ARRIVAL_CALLBACK_IMPORT_PATH
 from load_tests.gpu_campaign import lanes_answering
 
 READY_POLL_INTERVAL_S = 2.0
@@ -98,7 +100,9 @@ class ServedApp:
         self.poll_interval_s = poll_interval_s
         # How long each of SIGINT and SIGTERM gets before the next, stronger signal.
         self.stop_grace_s = stop_grace_s
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+        # The proxy stamps each request's arrival (app/router/arrival_stamp.py), as app.tools.serve_run has it.
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", ARRIVAL_CALLBACK_ENV: ARRIVAL_CALLBACK_IMPORT_PATH,
+                    **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self._log = None
 

@@ -142,8 +142,9 @@ ROUTER_DECISION = MetricSpec(
 REQUEST_RECEIVE = MetricSpec(
     "llm_lanes_request_receive_seconds",
     "histogram",
-    "Router arrival to the request's body in hand: Serve's HTTP proxy hands the body over when the Router asks for "
-    "it, so a busy proxy shows here. The Router's TTFT and E2E start after it; its admission counts it.",
+    "Arrival (the HTTP proxy's stamp, else the Router's) to the request's body in hand: Serve's HTTP proxy queues "
+    "requests and hands the body over when the Router asks for it, so a busy proxy shows here. The Router's TTFT "
+    "and E2E start after it; its admission counts it.",
     (),
     TTFT_BUCKETS_S,
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.classes import REQUEST_CLASS_HEADER
 from app.prefix_cache.index import block_hashes
 from app.router import openai_api as api
+from app.router.arrival_stamp import ARRIVAL_HEADER, proxy_wait_s
 from app.router.auth import AUTHORIZATION_HEADER, Principal, require_admin
 from app.router.body_limit import BodySizeLimit
 from app.router.endpoints import CHAT, COMPLETION, Endpoint
@@ -167,6 +169,7 @@ class HttpApi:
         pipeline = self.pipeline
         principal = self.authenticate_http(request)
         record = pipeline.new_record(endpoint, request.headers if pipeline.tracing.enabled else None)
+        record.waited_at_proxy(proxy_wait_s(request.headers.get(ARRIVAL_HEADER), time.time()))
         try:
             body = await read_json_body(request, pipeline.cfg.router.max_request_bytes)
             record.received()

@@ -80,9 +80,9 @@ class RequestRecord:
         self.recent_ttft = recent_ttft
         self.tracing = tracing
         self.clock = clock
-        # arrived_at: the request reached the Router (what admission's waits count from); received_at: its body
-        # is in hand too (Serve's HTTP proxy hands the body over when asked: on a busy proxy that takes a while),
-        # where the Router's own TTFT and E2E start.
+        # arrived_at: the request reached Serve's HTTP proxy (its stamp: app/router/arrival_stamp.py) or else the
+        # Router, what admission's waits count from; received_at: its body is in hand too (the proxy hands the body
+        # over when asked: on a busy proxy that takes a while), where the Router's own TTFT and E2E start.
         self.arrived_at = self.received_at = clock()
         self.request_class: RequestClass | str | None = None  # a str only for UNKNOWN_CLASS
         self.lane: str = LANE_NONE
@@ -106,6 +106,12 @@ class RequestRecord:
     def carrier(self) -> dict[str, str]:
         """The trace context for the lane (LaneRequest.trace_carrier): its lane_generate span joins this trace."""
         return self.tracing.inject(self.context) if self.span is not None else {}
+
+    def waited_at_proxy(self, seconds: float) -> None:
+        """The request reached Serve's HTTP proxy `seconds` before the Router saw it."""
+        self.arrived_at -= seconds
+        if self.span is not None:
+            self.span.set_attribute("llm_lanes.proxy_wait_s", seconds)
 
     def received(self) -> None:
         """The request's body is in hand (HTTP: read from Serve's proxy)."""

@@ -28,6 +28,8 @@ import sys
 import threading
 from pathlib import Path
 
+from app.router.arrival_stamp import CALLBACK_ENV, CALLBACK_IMPORT_PATH
+
 # Time for serve.shutdown() plus Ray's own stop after the first signal: replicas drain for up to their
 # graceful_shutdown_timeout_s (default 20 s), the lanes then stop their engines.
 DEFAULT_STOP_TIMEOUT_S = 120.0
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
                         help="seconds the graceful shutdown may take before it is forced (default %(default)s)")
     args = parser.parse_args(argv)
+    # Serve's HTTP proxy stamps each request's arrival: the Router's TTFT budget then counts the proxy's wait too.
+    os.environ.setdefault(CALLBACK_ENV, CALLBACK_IMPORT_PATH)
     return Supervisor(serve_command(args.config), args.stop_timeout).run()
 
 

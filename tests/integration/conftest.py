@@ -27,6 +27,7 @@ import yaml
 
 from app.lanes.engine_reaper import descendants, kill_all, process_table
 from app.proto import convert
+from app.router import arrival_stamp
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
@@ -151,7 +152,8 @@ class AppProcess:
         self.log_path = log_path
         self.headers = headers or {}
         self.bin_dir = Path(sys.executable).parent
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+                    arrival_stamp.CALLBACK_ENV: arrival_stamp.CALLBACK_IMPORT_PATH}
         self.url = f"http://127.0.0.1:{HTTP_PORT}"
         self.process: subprocess.Popen | None = None
 

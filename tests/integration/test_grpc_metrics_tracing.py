@@ -8,6 +8,7 @@ whose grpc_servicer_functions name the LlmLanes and grpc.health.v1 servicers).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
 from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
+from app.router.arrival_stamp import ARRIVAL_HEADER
 from tests.integration import conftest
 from tests.integration.conftest import GRPC_PORT, wait_until
 
@@ -307,7 +309,9 @@ def test_one_trace_spans_router_and_lane(app_url, served_model):
 
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     traceparent = f"00-{trace_id}-00f067aa0ba902b7-01"
-    response = httpx.post(f"{app_url}/v1/completions", headers={"traceparent": traceparent},
+    # A client's own arrival stamp (a day old) is replaced by the proxy's (app/router/arrival_stamp.py).
+    response = httpx.post(f"{app_url}/v1/completions",
+                          headers={"traceparent": traceparent, ARRIVAL_HEADER: str(time.time() - 86400)},
                           json={"model": served_model, "prompt": "trace me", "max_tokens": 8, "stream": True},
                           timeout=120)
     assert response.status_code == 200
@@ -323,6 +327,7 @@ def test_one_trace_spans_router_and_lane(app_url, served_model):
     by_name = {s["name"]: s for s in spans}
     request = by_name["request"]
     assert request["parent_span_id"] == "00f067aa0ba902b7" and request["component"] == "Router"
+    assert 0 < request["attributes"]["llm_lanes.proxy_wait_s"] < 5, request["attributes"]
     for name in ("classify", "admit", "route", "queue_wait"):
         assert by_name[name]["parent_span_id"] == request["span_id"], name
     lane = by_name["lane_generate"]

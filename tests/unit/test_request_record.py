@@ -1,5 +1,6 @@
-"""RequestRecord's two clocks: admission counts from the request's arrival at the Router, the Router's TTFT and E2E
-from its body in hand (Serve's HTTP proxy hands the body over when asked, which a busy proxy delays)."""
+"""RequestRecord's two clocks: admission counts from the request's arrival (at Serve's HTTP proxy where it stamped
+the request, else at the Router), the Router's TTFT and E2E from its body in hand (the proxy hands the body over
+when asked, which a busy proxy delays)."""
 
 from app.classes import RequestClass
 from app.observability.tracing import Tracing
@@ -37,3 +38,13 @@ def test_a_request_without_a_body_to_fetch_was_received_on_arrival():
     clock = FakeClock()
     record = RequestRecord(Observed(), Tracing(), None, "chat", clock=clock)
     assert record.received_at == record.arrived_at
+
+
+def test_a_wait_at_the_proxy_moves_the_arrival_earlier_and_counts_in_the_receive_time():
+    clock, metrics = FakeClock(), Observed()
+    record = RequestRecord(metrics, Tracing(), None, "chat", clock=clock)
+    record.waited_at_proxy(0.5)
+    clock.advance(0.25)
+    record.received()
+    assert metrics.values["request_receive"] == [0.75]
+    assert clock() - record.arrived_at == 0.75 and clock() == record.received_at
