@@ -454,17 +454,30 @@ class OpenAISurface:
         return result.model_dump(mode="json")
 
 
+# Characters JSON leaves unescaped that Python's str.splitlines (and so httpx's iter_lines) takes for line ends: a
+# generated token holding one would cut an SSE data line in two for such a client.
+_LINE_BREAKING = re.compile("[\x85\u2028\u2029]")
+
+
+def _line_safe(event: str) -> str:
+    """The SSE event with those characters as JSON escapes (the same text once parsed); they occur only inside
+    JSON strings there."""
+    if _LINE_BREAKING.search(event) is None:
+        return event
+    return _LINE_BREAKING.sub(lambda match: f"\\u{ord(match.group()):04x}", event)
+
+
 async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) -> AsyncIterator[str]:
-    """vLLM's SSE events; a lane's failure mid-stream ends them with its own error event (status, code, Retry-After
-    reason) in place of vLLM's generic one."""
+    """vLLM's SSE events, line-safe; a lane's failure mid-stream ends them with its own error event (status, code,
+    Retry-After reason) in place of vLLM's generic one."""
     try:
         if first is not None:
-            yield first
+            yield _line_safe(first)
         async for event in rest:
             if scope.stream_error is not None and event.startswith("data: {\"error\""):
                 yield f"data: {json.dumps(scope.stream_error.body())}\n\n"
                 return
-            yield event
+            yield _line_safe(event)
     finally:
         await rest.aclose()
         await scope.close()
