@@ -22,13 +22,15 @@ continuation is a new engine request) skips the handoff, and `x-llm-lanes-degrad
 
 vLLM versions. Written against vLLM 0.32 (the CPU build here); the GPU payload runs 0.26, whose wheel has the same
 layout for the protocol models, serving classes and renderers (`vllm.entrypoints.openai.chat_completion` /
-`completion` / `models`, `vllm.renderers.OnlineRenderer`). Where they differ (read from the 0.26 wheel, not run):
-`load_chat_template` is in `vllm.entrypoints.chat_utils` (0.32: `vllm.renderers.chat_utils`); `ErrorResponse` in
+`completion` / `models`, `vllm.renderers.OnlineRenderer`). Where they differ: `load_chat_template` is in
+`vllm.entrypoints.chat_utils` (0.32: `vllm.renderers.chat_utils`); `ErrorResponse` in
 `vllm.entrypoints.openai.engine.protocol` (0.32: `vllm.entrypoints.serve.engine.protocol`); `create_error_response`
 in `vllm.entrypoints.serve.utils.error_response` (0.32: `...serve.exception_handling.error_response`); 0.26 has no
-`clean_loc_for_param` (the parameter is then the field path without "body"); and OnlineRenderer and
+`clean_loc_for_param` (a refused field is then named without "body" and pydantic's validator markers here) and no
+`EngineArgs.create_structured_outputs_config` (merged here as its create_engine_config does); OnlineRenderer and
 OpenAIServingChat lack 0.32's `tool_strict_level` and `trust_request_mm_kwargs`, so constructor arguments go
-through `_accepted()`. Only 0.32 is tested here.
+through `_accepted()`. The suite runs 0.32; `load_tests.openai_differential` runs the same comparison with vLLM's
+own server wherever the app runs (load_tests/configs/gpu-tiny-differential.yaml: the GPU payload's 0.26).
 """
 
 from __future__ import annotations
