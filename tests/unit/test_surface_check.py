@@ -1,0 +1,17 @@
+"""load_tests.surface_check on the installed vLLM: every differential request rendered and answered by vLLM's
+serving code over fake engine outputs (the same check finds API differences with the GPU payload's vLLM 0.26)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from load_tests.openai_differential import REQUESTS
+from load_tests.surface_check import LOGPROB_FIELDS, _surface, check
+
+
+def test_every_request_without_logprobs_is_answered_streamed_and_not_and_bad_ones_are_refused():
+    answered, problems = asyncio.run(check(_surface()))
+    without_logprobs = [body for _, body in REQUESTS
+                        if not any(field in body for field in LOGPROB_FIELDS) and not body.get("echo")]
+    assert problems == []
+    assert answered == 2 * len(without_logprobs) >= 80
