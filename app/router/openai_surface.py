@@ -29,8 +29,9 @@ in `vllm.entrypoints.serve.utils.error_response` (0.32: `...serve.exception_hand
 `clean_loc_for_param` (a refused field is then named without "body" and pydantic's validator markers here) and no
 `EngineArgs.create_structured_outputs_config` (merged here as its create_engine_config does); OnlineRenderer and
 OpenAIServingChat lack 0.32's `tool_strict_level` and `trust_request_mm_kwargs`, so constructor arguments go
-through `_accepted()`. The suite runs 0.32; `load_tests.openai_differential` runs the same comparison with vLLM's
-own server wherever the app runs (load_tests/configs/gpu-tiny-differential.yaml: the GPU payload's 0.26).
+through `_accepted()`. The suite runs 0.32; `load_tests.surface_check` renders every differential request with
+another vLLM's Python code and no engine (0.26 from the payload's wheel), and `load_tests.openai_differential` runs
+the comparison with vLLM's own server wherever the app runs (load_tests/configs/gpu-tiny-differential.yaml).
 """
 
 from __future__ import annotations
