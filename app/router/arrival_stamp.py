@@ -11,7 +11,7 @@ ingress): `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` names a function returning
 `ray start` / `serve run` (the proxy is Ray's actor, not the app's, so the application's runtime_env does not reach
 it). `proxy_middlewares` is that function: `ArrivalStamp` sets `x-llm-lanes-proxy-arrival` to the proxy's wall clock
 (a client's own value of the header is replaced). `app.tools.serve_run`, the test app, the load tests and the
-cluster manifests set the variable; without it the budget counts from the Router's arrival, as before.
+cluster manifests set the variable; without it the budget counts from the Router's arrival.
 
 A stamp only ever shortens its own request's budget, so a forged one harms only its sender; one from a clock far from
 the Router's (different nodes) is ignored: more than `PLAUSIBLE_WAIT_S` old, or ahead of the Router's clock (read
