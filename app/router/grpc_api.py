@@ -28,8 +28,8 @@ from app.router import openai_api as api
 from app.router.auth import Principal, require_admin
 from app.router.batch_api import openai_error_from_store
 from app.router.endpoints import CHAT, COMPLETION, Answer, Endpoint
-from app.router.openai_surface import sse_json
 from app.router.pipeline import RequestPipeline
+from app.router.sse import sse_json
 
 # grpc.health.v1 Watch: how often the serving status is re-checked for a change.
 HEALTH_WATCH_INTERVAL_S = 1.0

@@ -12,7 +12,8 @@ next to the batch's). The continuation is the prompt's token ids followed by the
 re-tokenized and the answer goes on exactly where the hot lane stopped.
 
 Off by default (`admission.interactive_decode_handoff_tokens: 0`). A pure decision, one input of the routing
-decision (app/router/spill.py); no Ray, no vLLM.
+decision (app/router/spill.py), and which sampling parameters a continuation cannot carry (`handoff_blocker`, read
+from vLLM's SamplingParams by attribute); no Ray, no vLLM import.
 """
 
 from __future__ import annotations
@@ -43,3 +44,23 @@ def handoff_after_tokens(*, request_class: RequestClass, lane: Lane, prompt_toke
     if not cold.fits(prompt_tokens, max_tokens) or cold.clipped_max_tokens(max_tokens) < max_tokens:
         return None
     return handoff_tokens
+
+
+def handoff_blocker(params) -> str | None:
+    """Why a decode handoff's continuation (a new engine request whose prompt holds the tokens so far) would not
+    answer as one engine request does; None if it would."""
+    if params.n != 1:
+        return "n"
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        return "logprobs"
+    if getattr(params, "structured_outputs", None) is not None or getattr(params, "guided_decoding", None) is not None:
+        return "structured_output"
+    if params.seed is not None:
+        return "seed"
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        return "penalties"
+    if params.logit_bias or getattr(params, "allowed_token_ids", None) or params.min_tokens:
+        return "logit_bias"
+    if params.stop or params.stop_token_ids:
+        return "stop"
+    return None

@@ -52,6 +52,8 @@ from app.config import AppConfig
 from app.lanes.engine import engine_args_dict
 from app.router import openai_api as api
 from app.router.endpoints import Answer, Endpoint, Generation
+from app.router.handoff import handoff_blocker
+from app.router.sse import line_safe
 
 logger = logging.getLogger(__name__)
 
@@ -124,26 +126,6 @@ def _accepted(constructor, **kwargs) -> dict[str, Any]:
     """The keyword arguments `constructor` takes (vLLM's constructors gain options between versions)."""
     parameters = inspect.signature(constructor).parameters
     return {name: value for name, value in kwargs.items() if name in parameters}
-
-
-def handoff_blocker(params) -> str | None:
-    """Why a decode handoff's continuation (a new engine request whose prompt holds the tokens so far) would not
-    answer as one engine request does; None if it would."""
-    if params.n != 1:
-        return "n"
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        return "logprobs"
-    if getattr(params, "structured_outputs", None) is not None or getattr(params, "guided_decoding", None) is not None:
-        return "structured_output"
-    if params.seed is not None:
-        return "seed"
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        return "penalties"
-    if params.logit_bias or getattr(params, "allowed_token_ids", None) or params.min_tokens:
-        return "logit_bias"
-    if params.stop or params.stop_token_ids:
-        return "stop"
-    return None
 
 
 class _PipelineRefusalFilter(logging.Filter):
@@ -457,30 +439,17 @@ class OpenAISurface:
         return result.model_dump(mode="json")
 
 
-# Characters JSON leaves unescaped that Python's str.splitlines (and so httpx's iter_lines) takes for line ends: a
-# generated token holding one would cut an SSE data line in two for such a client.
-_LINE_BREAKING = re.compile("[\x85\u2028\u2029]")
-
-
-def _line_safe(event: str) -> str:
-    """The SSE event with those characters as JSON escapes (the same text once parsed); they occur only inside
-    JSON strings there."""
-    if _LINE_BREAKING.search(event) is None:
-        return event
-    return _LINE_BREAKING.sub(lambda match: f"\\u{ord(match.group()):04x}", event)
-
-
 async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) -> AsyncIterator[str]:
     """vLLM's SSE events, line-safe; a lane's failure mid-stream ends them with its own error event (status, code,
     Retry-After reason) in place of vLLM's generic one."""
     try:
         if first is not None:
-            yield _line_safe(first)
+            yield line_safe(first)
         async for event in rest:
             if scope.stream_error is not None and event.startswith("data: {\"error\""):
                 yield f"data: {json.dumps(scope.stream_error.body())}\n\n"
                 return
-            yield _line_safe(event)
+            yield line_safe(event)
     finally:
         await rest.aclose()
         await scope.close()
@@ -520,9 +489,3 @@ def _validation_error(error: ValidationError) -> api.OpenAIError:
         param = clean_loc_for_param(tuple(first["loc"]))
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return api.OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
-
-
-def sse_json(event: str) -> dict[str, Any] | None:
-    """One SSE event of vLLM's stream -> its JSON object (None for the final [DONE])."""
-    data = event.removeprefix("data: ").strip()
-    return None if data == "[DONE]" else json.loads(data)

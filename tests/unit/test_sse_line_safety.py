@@ -9,7 +9,8 @@ import json
 
 import httpx
 
-from app.router.openai_surface import _events, _line_safe, _Scope
+from app.router.openai_surface import _events, _Scope
+from app.router.sse import line_safe
 
 
 def event(text: str) -> str:
@@ -36,4 +37,4 @@ def test_events_are_cut_into_lines_only_at_their_ends_and_keep_their_text():
 
 def test_an_event_without_such_characters_is_passed_on_as_it_is():
     plain = event("nothing to escape: é ✓")
-    assert _line_safe(plain) is plain
+    assert line_safe(plain) is plain
