@@ -56,8 +56,9 @@ def lane_loss_app(apps):
     return apps.use("lane-loss", write_lane_loss_config, ready=all_replicas_running)
 
 
-def kill_one_replica(deployment: str) -> str:
-    """Kill one replica actor of `deployment` (no restart of that actor: Serve replaces it); its name."""
+def kill_one_replica(deployment: str) -> tuple[str, float]:
+    """Kill one replica actor of `deployment` (no restart of that actor: Serve replaces it); its name and the
+    moment of the kill (connecting to the cluster first takes seconds on a busy host)."""
     import ray
 
     ray.init(address="auto", logging_level="ERROR")
@@ -66,16 +67,16 @@ def kill_one_replica(deployment: str) -> str:
                          if f"#{deployment}#" in a["name"]), key=lambda a: a["name"])
         assert len(actors) >= 2, actors
         ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
-        return actors[0]["name"]
+        return actors[0]["name"], time.monotonic()
     finally:
         ray.shutdown()
 
 
 async def run_load_around(load: Load, workers: list, kill, settle_s: float, after_s: float) -> float:
-    """Run the load for `settle_s`, kill, keep it running `after_s`, stop it; the kill's time."""
+    """Run the load for `settle_s`, kill (a call returning the kill's moment), keep it running `after_s`, stop it;
+    the kill's moment."""
     await asyncio.sleep(settle_s)
-    killed_at = time.monotonic()
-    await asyncio.to_thread(kill)
+    killed_at = await asyncio.to_thread(kill)
     await asyncio.sleep(after_s)
     load.stop.set()
     await asyncio.gather(*workers)
@@ -91,7 +92,7 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30)) as client:
         workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
         workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
-        killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane"), settle_s=8,
+        killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane")[1], settle_s=8,
                                           after_s=25)
     flex = [o for o in load.outcomes if o.kind == "flex"]
     cold_replicas = {o.replica for o in flex if o.replica}
@@ -112,10 +113,14 @@ async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lan
     load = Load(lane_loss_app.url, served_model)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30)) as client:
         workers = [asyncio.create_task(load.stream_forever(client, i)) for i in range(6)]
-        killed_name: list[str] = []
-        killed_at = await run_load_around(load, workers, lambda: killed_name.append(kill_one_replica("Router")),
-                                          settle_s=6, after_s=15)
-    killed_name = killed_name[0]
+        killed: list[tuple[str, float]] = []
+
+        def kill_router() -> float:
+            killed.append(kill_one_replica("Router"))
+            return killed[0][1]
+
+        killed_at = await run_load_around(load, workers, kill_router, settle_s=6, after_s=15)
+    killed_name = killed[0][0]
     killed = killed_name.rsplit("#", 1)[-1]  # SERVE_REPLICA::app#Router#<unique id>, as x-llm-lanes-router names it
     across = [o for o in load.outcomes if o.started < killed_at < o.ended]
     # A request sent after the kill may still reach the dead replica before the proxy takes it out of rotation (its
