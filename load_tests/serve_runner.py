@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 
-from app.router.arrival_stamp import CALLBACK_ENV as ARRIVAL_CALLBACK_ENV
-from app.router.arrival_stamp import CALLBACK_IMPORT_PATH as ARRIVAL_CALLBACK_IMPORT_PATH
+from app.router.arrival_stamp import PROXY_ENV
 from load_tests.gpu_campaign import lanes_answering
 
 READY_POLL_INTERVAL_S = 2.0
@@ -101,8 +100,7 @@ class ServedApp:
         # How long each of SIGINT and SIGTERM gets before the next, stronger signal.
         self.stop_grace_s = stop_grace_s
         # The proxy stamps each request's arrival (app/router/arrival_stamp.py), as app.tools.serve_run has it.
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", ARRIVAL_CALLBACK_ENV: ARRIVAL_CALLBACK_IMPORT_PATH,
-                    **(env or {})}
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **PROXY_ENV, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self._log = None
 

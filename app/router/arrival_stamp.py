@@ -27,6 +27,8 @@ from typing import Any
 ARRIVAL_HEADER = "x-llm-lanes-proxy-arrival"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK_IMPORT_PATH = "app.router.arrival_stamp:proxy_middlewares"
+# The environment a Ray cluster starts in for its proxies to stamp.
+PROXY_ENV = {CALLBACK_ENV: CALLBACK_IMPORT_PATH}
 # A longer wait than this is a clock disagreement between nodes, not a queue.
 PLAUSIBLE_WAIT_S = 120.0
 

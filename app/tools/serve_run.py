@@ -28,7 +28,7 @@ import sys
 import threading
 from pathlib import Path
 
-from app.router.arrival_stamp import CALLBACK_ENV, CALLBACK_IMPORT_PATH
+from app.router.arrival_stamp import PROXY_ENV
 
 # Time for serve.shutdown() plus Ray's own stop after the first signal: replicas drain for up to their
 # graceful_shutdown_timeout_s (default 20 s), the lanes then stop their engines.
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the graceful shutdown may take before it is forced (default %(default)s)")
     args = parser.parse_args(argv)
     # Serve's HTTP proxy stamps each request's arrival: the Router's TTFT budget then counts the proxy's wait too.
-    os.environ.setdefault(CALLBACK_ENV, CALLBACK_IMPORT_PATH)
+    for name, value in PROXY_ENV.items():
+        os.environ.setdefault(name, value)
     return Supervisor(serve_command(args.config), args.stop_timeout).run()
 
 

@@ -152,8 +152,7 @@ class AppProcess:
         self.log_path = log_path
         self.headers = headers or {}
         self.bin_dir = Path(sys.executable).parent
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-                    arrival_stamp.CALLBACK_ENV: arrival_stamp.CALLBACK_IMPORT_PATH}
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **arrival_stamp.PROXY_ENV}
         self.url = f"http://127.0.0.1:{HTTP_PORT}"
         self.process: subprocess.Popen | None = None
 
