@@ -65,6 +65,15 @@ class FakeCall:
                         output=self._output(ids[half:], finished=True))
 
 
+def rendered_requests() -> list[tuple[str, dict]]:
+    """The differential's requests this check can answer: those without engine logprobs (the differential compares
+    those)."""
+    from load_tests.openai_differential import REQUESTS
+
+    return [(path, body) for path, body in REQUESTS
+            if not any(field in body for field in LOGPROB_FIELDS) and not body.get("echo")]
+
+
 def _surface():
     try:
         from vllm.config import DeviceConfig
@@ -88,13 +97,11 @@ async def check(surface) -> tuple[int, list[str]]:
     """(requests answered, problems)."""
     from app.router import openai_api as api
     from app.router.endpoints import ENDPOINTS_BY_PATH
-    from load_tests.openai_differential import BAD_REQUESTS, REQUESTS, expanded
+    from load_tests.openai_differential import BAD_REQUESTS, expanded
 
     model, tokenizer = surface.cfg.model.served_name, surface.tokenizer
     answered, problems = 0, []
-    for path, body in REQUESTS:
-        if any(field in body for field in LOGPROB_FIELDS) or body.get("echo"):
-            continue  # logprobs come from the engine: the differential compares them
+    for path, body in rendered_requests():
         for stream in (False, True):
             path, request_body = expanded(path, {**body, "stream": stream}, model)
             endpoint = ENDPOINTS_BY_PATH[path]

@@ -9,18 +9,14 @@ tool-call parser, auto tool choice).
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from load_tests.openai_differential import compare_answers, compare_refusals, vllm_server_command
-from tests.integration.conftest import ROOT, local_test_document
+from load_tests.serve_runner import ServedApp
+from tests.integration.conftest import local_test_document
 
 START_TIMEOUT_S = 300
 
@@ -37,32 +33,15 @@ def vllm_server(tiny_model, tmp_path_factory, app_url):
     document, _ = local_test_document(tiny_model)
     port = free_port()
     command, env = vllm_server_command(document, port)
-    log_path = Path(tmp_path_factory.mktemp("vllm_server")) / "vllm.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = ServedApp(f"http://127.0.0.1:{port}", Path(tmp_path_factory.mktemp("vllm_server")) / "vllm.log",
+                       start_command=command, ready_timeout_s=START_TIMEOUT_S, ready_path="/health", lanes_path=None,
+                       env=env)
+    server.start()
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        yield url
+        server.wait_ready()
+        yield server.url
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        server.stop()
 
 
 def test_the_app_answers_as_vllms_own_server(app_url, vllm_server, served_model):

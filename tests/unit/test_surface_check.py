@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from load_tests.openai_differential import REQUESTS
-from load_tests.surface_check import LOGPROB_FIELDS, _surface, check
+from load_tests.surface_check import _surface, check, rendered_requests
 
 
 def test_every_request_without_logprobs_is_answered_streamed_and_not_and_bad_ones_are_refused():
     answered, problems = asyncio.run(check(_surface()))
-    without_logprobs = [body for _, body in REQUESTS
-                        if not any(field in body for field in LOGPROB_FIELDS) and not body.get("echo")]
     assert problems == []
-    assert answered == 2 * len(without_logprobs) >= 80
+    assert answered == 2 * len(rendered_requests()) >= 80
