@@ -5,11 +5,14 @@ from Serve, and carries the three surfaces (HTTP, gRPC, Files/Batches), whose me
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 
 from app.batch.store import BatchStoreError
 from app.classes import Lane
@@ -116,7 +119,17 @@ class ServeLaneClients:
         self.handles = handles
 
     def open(self, lane: Lane, request: LaneRequest):
-        return ServeLaneStream(self.handles[lane].options(stream=True).generate.remote(request))
+        # Each lane call under an internal request id of its own. A handle call inherits the id of the request being
+        # served, and Serve's request router keeps its pending requests by that id: of two calls of one client
+        # request waiting for a replica at once (a completion with several prompts), the second is never assigned
+        # and waits forever. The client's request id (Serve's logs) stays the same.
+        context = serve_context._get_serve_request_context()
+        token = serve_context._serve_request_context.set(
+            dataclasses.replace(context, _internal_request_id=generate_request_id()))
+        try:
+            return ServeLaneStream(self.handles[lane].options(stream=True).generate.remote(request))
+        finally:
+            serve_context._serve_request_context.reset(token)
 
 
 async def serve_details() -> dict[str, Any]:

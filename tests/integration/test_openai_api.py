@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -61,6 +63,25 @@ def test_completion_accepts_token_ids(openai_client, served_model):
 def class_count(replica_stats: dict, counter: str, request_class: str) -> int:
     """One per-class counter (served_by_class, aborted_by_class) of a lane replica's /v1/admin/stats entry."""
     return replica_stats[counter].get(request_class, 0)
+
+
+@pytest.mark.parametrize("service_tier", [None, "flex", "priority"])
+def test_several_prompts_in_one_completion_all_start_at_once(app_url, served_model, service_tier):
+    """One lane call per prompt, all waiting for a lane replica together: each gets one (Serve keeps a handle call's
+    pending assignment by the id of the client request it belongs to; calls sharing it must not)."""
+    prompts = [f"prompt number {i}" for i in range(6)]
+    body = {"model": served_model, "prompt": prompts, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            **({"service_tier": service_tier} if service_tier else {})}
+    answer = httpx.post(f"{app_url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert sorted(c["index"] for c in answer.json()["choices"]) == list(range(6))
+    assert answer.json()["usage"]["completion_tokens"] == 6 * 4
+    with httpx.stream("POST", f"{app_url}/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
+        assert streamed.status_code == 200
+        finished = {event["choices"][0]["index"] for line in streamed.iter_lines()
+                    if line.startswith("data: {") and (event := json.loads(line[6:]))["choices"]
+                    and event["choices"][0]["finish_reason"]}
+    assert finished == set(range(6))
 
 
 def test_service_tier_picks_the_lane(app_url, served_model):
