@@ -2,7 +2,8 @@
 (load_tests/openai_differential.py) is parsed, rendered and turned into sampling parameters by that vLLM's code, the
 launch hands back engine outputs made with that vLLM's own RequestOutput / CompletionOutput (a tool call where the
 request has tools), and the answer is rendered by its serving classes, streamed and not; every bad request must be
-refused before launch or reach it (the engine's own checks refuse the rest). It finds API differences between vLLM
+refused before launch or reach it (the engine's own checks refuse the rest), and the engine adapter must read that
+vLLM's own refusal errors as the client's. It finds API differences between vLLM
 versions on a machine without their engine, e.g. the GPU payload's vLLM 0.26 on the CPU host:
 
     mkdir -p /tmp/vllm026 && unzip -q -o .gpu/cache/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl 'vllm/*' \
@@ -147,10 +148,30 @@ async def check(surface) -> tuple[int, list[str]]:
     return answered, problems
 
 
+def engine_refusal_problems() -> list[str]:
+    """The engine adapter's reading of the errors this vLLM's engine raises for a request it refuses (a logprobs
+    count over its maximum, a token id outside the vocabulary): the client's 400 naming the parameter, never the
+    lane's failure."""
+    from vllm.exceptions import VLLMValidationError
+
+    from app.lanes.engine import request_invalid
+
+    refusals = [(VLLMValidationError("Requested sample logprobs of 1000, which is greater than max allowed: 20",
+                                     parameter="logprobs", value=1000), "logprobs"),
+                (ValueError("Token id 99999 is out of vocabulary"), None)]
+    problems = []
+    for error, param in refusals:
+        invalid = request_invalid(error)
+        if invalid is None or invalid.param != param:
+            problems.append(f"engine refusal {error!r} read as {invalid!r}, not the client's error on {param}")
+    return problems
+
+
 def main() -> int:
     import vllm
 
     answered, problems = asyncio.run(check(_surface()))
+    problems += engine_refusal_problems()
     for problem in problems:
         print("FAILED", problem)
     print(f"vLLM {vllm.__version__}: {answered} requests answered, {len(problems)} problems")

@@ -72,18 +72,28 @@ _REQUEST_VALUE_ERRORS = (ValueError, TypeError, OverflowError)
 def request_invalid(error: BaseException) -> LaneRequestInvalid | None:
     """vLLM's refusal of a request, raised while the request is built or added (before any token), as the client's
     error; None for anything else, which is the engine's failure."""
-    from vllm.exceptions import VLLMClientError
     from vllm.v1.engine.exceptions import EngineGenerateError
 
     if isinstance(error, EngineGenerateError) and error.__cause__ is not None:
         # AsyncLLM wraps an error it did not expect while adding the request (its transport's, say): judge the cause.
         error = error.__cause__
-    if isinstance(error, VLLMClientError):
+    if isinstance(error, _client_error_types()):
         return LaneRequestInvalid(_printable(error.args[0] if error.args else error),
                                   getattr(error, "parameter", None))
     if isinstance(error, _REQUEST_VALUE_ERRORS):
         return LaneRequestInvalid(_printable(error))
     return None
+
+
+def _client_error_types() -> tuple[type[BaseException], ...]:
+    """vLLM's errors for a request it refuses (their `parameter` names the field). 0.32 has one base class for them;
+    0.26 has no base class, and its VLLMValidationError is a ValueError."""
+    import vllm.exceptions as errors
+
+    if hasattr(errors, "VLLMClientError"):
+        return (errors.VLLMClientError,)
+    return tuple(getattr(errors, name) for name in ("VLLMValidationError", "VLLMNotFoundError",
+                                                     "VLLMUnprocessableEntityError") if hasattr(errors, name))
 
 
 def _printable(message: object) -> str:
