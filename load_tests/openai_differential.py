@@ -347,7 +347,8 @@ def vllm_server_command(document: dict[str, Any], port: int) -> tuple[list[str],
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# The app against vLLM's own OpenAI server ({report['when']})", "",
              f"- serve config: `{report['serve_config']}`; vLLM {report['vllm_version']}",
-             f"- answers: {report['compared']} requests compared, {len(report['answer_problems'])} differ",
+             ("- answers: not sent (--refusals-only)" if report.get("refusals_only") else
+              f"- answers: {report['compared']} requests compared, {len(report['answer_problems'])} differ"),
              f"- refusals: {len(BAD_REQUESTS)} bad requests sent, {len(report['refusal_problems'])} refused "
              "differently", ""]
     for title, problems in (("Answers that differ", report["answer_problems"]),
@@ -364,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--refusals-only", action="store_true",
+                        help="send only the bad requests (a quick check of the refusals after a change)")
+    parser.add_argument("--start-together", action="store_true",
+                        help="start the app and vLLM's server at once (a machine with cores to spare)")
     args = parser.parse_args(argv)
 
     import vllm
@@ -388,12 +393,15 @@ def main(argv: list[str] | None = None) -> int:
     server = ServedApp(vllm_url, out / "vllm-server.log", start_command=command, ready_timeout_s=args.ready_timeout,
                        lanes_path=None, env=env)
     try:
-        # One after the other: on a small machine both starting at once slows each past its timeout.
+        # One after the other by default: on a small machine both starting at once slows each past its timeout.
         app.start()
+        if args.start_together:
+            server.start()
         print(f"app ready after {app.wait_ready():.0f} s", flush=True)
-        server.start()
+        if not args.start_together:
+            server.start()
         print(f"vLLM's server ready after {server.wait_ready():.0f} s", flush=True)
-        compared, answer_problems = compare_answers(url, vllm_url, model)
+        compared, answer_problems = (0, []) if args.refusals_only else compare_answers(url, vllm_url, model)
         refusal_problems = compare_refusals(url, vllm_url, model)
     except AppStartError as error:
         print(error, file=sys.stderr)
@@ -403,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         app.stop()
     report = {"when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "serve_config": args.serve_config, "vllm_version": vllm.__version__, "server_command": command,
-              "compared": compared, "answer_problems": answer_problems, "refusal_problems": refusal_problems}
+              "compared": compared, "refusals_only": args.refusals_only, "answer_problems": answer_problems, "refusal_problems": refusal_problems}
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     markdown = render_markdown(report)
     (out / "report.md").write_text(markdown, encoding="utf-8")
