@@ -10,7 +10,9 @@ as the larger of the recent hold times and the mean age of the requests holding 
 least that long). Nothing decays through idle time, so a burst after a quiet spell is predicted from what the lane
 is doing, not from how little it did while idle. The time from a slot to the first token is read the same way:
 the tail of the recent ones, or longer while a request holding a slot has waited longer than that for its first
-token (a burst slows prefill before any slow start has finished and been recorded).
+token (a burst slows prefill before any slow start has finished and been recorded), or longer while many holders
+still await their first token: a newcomer's prefill queues behind theirs, so its start is counted as one recent
+start's cost per request ahead of it (each recent start's time divided by the starts it queued behind, plus one).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ class LaneSlots:
         self.in_flight = 0
         self.peak_in_flight = 0
         self._holders: dict[int, float] = {}
-        self._awaiting_first_token: dict[int, float] = {}
+        # token -> (when it took its slot, holders then awaiting their first token ahead of it)
+        self._awaiting_first_token: dict[int, tuple[float, int]] = {}
         self._next_token = 0
         self._holds: deque[float] = deque(maxlen=hold_samples)
         self._start_latencies: deque[float] = deque(maxlen=hold_samples)
+        # Each recent start's time per request it queued behind (itself included): the lane's pace of starts.
+        self._start_costs: deque[float] = deque(maxlen=hold_samples)
         self._waiters = SlotWaiters(weights=tenant_weights)
 
     @property
@@ -67,18 +72,25 @@ class LaneSlots:
     def first_token(self, token: int) -> None:
         """The request holding `token` has its first token: the time since it took the slot (its prefill and the
         hops) feeds start_latency_s()."""
-        since = self._awaiting_first_token.pop(token, None)
-        if since is not None:
-            self._start_latencies.append(self.clock() - since)
+        awaited = self._awaiting_first_token.pop(token, None)
+        if awaited is not None:
+            since, ahead = awaited
+            latency = self.clock() - since
+            self._start_latencies.append(latency)
+            self._start_costs.append(latency / (ahead + 1))
 
     def start_latency_s(self) -> float:
-        """Time from a slot to the first token: the 99th percentile of the recent ones (a target on the TTFT's tail
-        needs the tail of this part of it), or the longest a holder is waiting for its first token now, whichever
-        is larger; 0 before any is known."""
+        """Time from a slot to the first token for a request taking one now: the 99th percentile of the recent ones
+        (a target on the TTFT's tail needs the tail of this part of it), the longest a holder is waiting for its
+        first token now, or the median recent cost of one start times the starts it would queue behind (the holders
+        awaiting their first token, and itself), whichever is largest; 0 before any is known."""
         recent = percentile(list(self._start_latencies), START_LATENCY_PERCENTILE) if self._start_latencies else 0.0
         if not self._awaiting_first_token:
             return recent
-        return max(recent, self.clock() - min(self._awaiting_first_token.values()))
+        oldest = self.clock() - min(since for since, _ in self._awaiting_first_token.values())
+        queued = ((len(self._awaiting_first_token) + 1) * percentile(list(self._start_costs), 50)
+                  if self._start_costs else 0.0)
+        return max(recent, oldest, queued)
 
     def predicted_wait_s(self, ahead: int | None = None, tenant: str | None = None) -> float:
         """Wait for a slot of a request joining the line behind `ahead` others (default: those served before a
@@ -115,7 +127,7 @@ class LaneSlots:
         now = self.clock()
         self._holders[token] = now
         if awaits_first_token:
-            self._awaiting_first_token[token] = now
+            self._awaiting_first_token[token] = (now, len(self._awaiting_first_token))
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return token

@@ -110,6 +110,31 @@ def test_the_start_latency_is_the_recent_tail_or_longer_while_a_holder_still_wai
     slots.release(slow), slots.release(collected)
 
 
+def test_a_newcomer_is_predicted_to_start_behind_the_holders_still_awaiting_their_first_token():
+    clock = FakeClock()
+    slots = LaneSlots(64, clock=clock)
+    # Quiet: one start at a time, 0.1 s each.
+    for _ in range(4):
+        token = slots.take(awaits_first_token=True)
+        clock.advance(0.1)
+        slots.first_token(token)
+        slots.release(token)
+    assert slots.start_latency_s() == pytest.approx(0.1)
+    # A burst takes 20 free slots at once: before any first token (and before the oldest has waited long), a
+    # newcomer's start is predicted behind all 20 of them, not at the quiet spell's 0.1 s.
+    burst = [slots.take(awaits_first_token=True) for _ in range(20)]
+    clock.advance(0.05)
+    assert slots.start_latency_s() == pytest.approx(21 * 0.1)
+    # Their starts come one after the other; each recorded cost is its time over the starts it queued behind.
+    for position, token in enumerate(burst):
+        clock.advance(0.05 if position else 0.0)
+        slots.first_token(token)
+    # None awaiting now: the recent starts' tail (the slowest took 1.0 s), no queue term.
+    assert 0.95 < slots.start_latency_s() <= 1.0
+    for token in burst:
+        slots.release(token)
+
+
 def test_a_slot_released_before_its_first_token_stops_counting():
     clock = FakeClock()
     slots = LaneSlots(1, clock=clock)
