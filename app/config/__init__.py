@@ -91,6 +91,9 @@ class AdmissionConfig(StrictModel):
     # for a hot slot only when its predicted wait is within it; otherwise it spills to the cold lane (while there
     # is spill room) or is refused with 429 (app/router/spill.py, rule 5).
     interactive_ttft_slo_s: float = Field(1.0, gt=0)
+    # Admission's own decisions aim this share of the target lower: the first token still has to go back through
+    # the HTTP proxy to the client, which the Router does not see, and its start estimates come from recent load.
+    interactive_ttft_headroom: float = Field(0.1, ge=0, lt=1)
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
     # With API keys of several tenants, one tenant may fill at most this share of a class's queue bound, so the

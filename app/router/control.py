@@ -68,6 +68,8 @@ class TrafficControl:
             Lane(name): LaneCaps(cfg.model.max_model_len, cfg.lane(name).max_tokens_cap) for name in cfg.lane_names
         }
         self._hot_kv_exhausted_until = 0.0
+        # What admission aims at for an interactive first token, seen from the Router: the target less its headroom.
+        self.interactive_ttft_target_s = admission.interactive_ttft_slo_s * (1 - admission.interactive_ttft_headroom)
         # Router-side slots exist only where there is a choice to make: admission on and a cold lane to spill to.
         self.hot_slots = (LaneSlots(0, clock=clock, tenant_weights=cfg.auth.tenant_weights)
                           if self.enabled and cfg.cold_lane is not None else None)
@@ -138,7 +140,7 @@ class TrafficControl:
         decision = decide_route(RouteInputs(
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
-            interactive_ttft_slo_s=admission.interactive_ttft_slo_s,
+            interactive_ttft_slo_s=self.interactive_ttft_target_s,
             hot_slots=hot_slots,
             cold_spill_room=needs_spill_room and self._cold_spill_room(waited_s),
             hot_refused_for_kv=hot_refused_for_kv,
@@ -150,7 +152,7 @@ class TrafficControl:
             continuation=continuation,
         ))
         if isinstance(decision, RouteRefusal) and decision.status == 429 and hot_slots is not None:
-            earliest = hot_slots.predicted_wait_s - admission.interactive_ttft_slo_s
+            earliest = hot_slots.predicted_wait_s - self.interactive_ttft_target_s
             decision = replace(decision, retry_after_s=self._interactive_retry_after_s(earliest))
         return decision
 
@@ -169,7 +171,7 @@ class TrafficControl:
         spill = self.cold_spill
         if spill is None or spill.free() <= 0:
             return False
-        return waited_s + spill.start_latency_s() <= self.cfg.admission.interactive_ttft_slo_s
+        return waited_s + spill.start_latency_s() <= self.interactive_ttft_target_s
 
     def may_spill(self, request_class: RequestClass, lane: Lane) -> bool:
         """May a hot replica send this request back for the cold lane (KV headroom) instead of waiting?"""
@@ -187,7 +189,7 @@ class TrafficControl:
         """How long an interactive request that has been at this Router `waited_s` may still wait for a hot slot:
         what the TTFT target leaves after the time from a slot to the first token."""
         start = self.hot_slots.start_latency_s() if self.hot_slots is not None else 0.0
-        return max(self.cfg.admission.interactive_ttft_slo_s - waited_s - start, 0.0)
+        return max(self.interactive_ttft_target_s - waited_s - start, 0.0)
 
     def timeout_s(self, request_class: RequestClass) -> float:
         return self.deadlines.timeout_s(request_class) if self.enabled else NO_DEADLINE_S

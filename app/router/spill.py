@@ -90,6 +90,7 @@ class RouteInputs:
     max_tokens: int
     lane_caps: Mapping[Lane, LaneCaps]
     long_context_threshold: int
+    # What admission aims at for an interactive first token: the configured target less its headroom.
     interactive_ttft_slo_s: float = math.inf
     # None: no Router-side slots (admission off, or a one-lane app): interactive goes to the hot lane at once.
     hot_slots: HotSlotState | None = None
@@ -170,7 +171,7 @@ def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, 
     wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_slo_s if slots is not None else 0)
     return RouteRefusal(429, "hot_lane_full",
                         f"the hot lane is full and its queue would not start this request within the "
-                        f"{inputs.interactive_ttft_slo_s:g} s interactive TTFT target",
+                        f"{inputs.interactive_ttft_slo_s:.3g} s admission aims at for an interactive first token",
                         retry_after_s=wait)
 
 

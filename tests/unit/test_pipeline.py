@@ -16,7 +16,9 @@ from app.router.endpoints import COMPLETION
 from tests.fakes import FakeClock, FakeLane, generation, make_pipeline
 
 # 8 sequences per hot engine, 4 of them for realtime: 4 hot slots for interactive work at this (only) Router.
-ADMISSION = {"realtime_max_inflight": 4, "interactive_ttft_slo_s": 1.0, "cold_spill_slots_per_replica": 2}
+# No headroom: these tests put predictions on the target itself (test_headroom_moves_the_target... has one).
+ADMISSION = {"realtime_max_inflight": 4, "interactive_ttft_slo_s": 1.0, "interactive_ttft_headroom": 0.0,
+             "cold_spill_slots_per_replica": 2}
 HOT_ENGINE = {"engine": {"kv_cache_memory_bytes": 1 << 28, "dtype": "float32", "max_num_seqs": 8}, "deployment": {}}
 
 
@@ -135,6 +137,16 @@ async def test_a_burst_after_a_long_idle_spell_waits_for_the_hot_lane_instead_of
     assert h.slots.waiting == 1 and not h.lanes["cold"].requests
     h.lanes["hot"].finish_one()
     assert (await asyncio.wait_for(waiter, timeout=5)).lane is Lane.HOT
+    await h.finish_all()
+
+
+async def test_headroom_moves_the_target_admission_aims_at_below_the_configured_one():
+    h = Harness(interactive_ttft_headroom=0.25)  # aims at 0.75 s of the 1 s target
+    await h.warm_up(hold_s=4.0)  # slots free at 4 per 4 s: one a second
+    for _ in range(4):
+        await h.start()
+    spilled = await h.start()  # predicted 1 s: within the target, past what admission aims at
+    assert spilled.lane is Lane.COLD and h.slots.waiting == 0
     await h.finish_all()
 
 
