@@ -169,7 +169,9 @@ class TrafficControl:
         """Room for one more spilled interactive request, whose first token the cold lane's recent start times say
         would come within the TTFT target."""
         spill = self.cold_spill
-        if spill is None or spill.free() <= 0:
+        # Until a spilled request has had its first token, one at a time: the first moment of a burst would
+        # otherwise send the whole spill room at once into a lane whose start time under this load is unknown.
+        if spill is None or spill.free() <= 0 or spill.first_start_pending():
             return False
         return waited_s + spill.start_latency_s() <= self.interactive_ttft_target_s
 

@@ -92,6 +92,11 @@ class LaneSlots:
                   if self._start_costs else 0.0)
         return max(recent, oldest, queued)
 
+    def first_start_pending(self) -> bool:
+        """No start through these slots has reached its first token yet, and one is under way: the lane's pace is
+        still unknown, and the one under way is what will tell it."""
+        return not self._start_latencies and bool(self._awaiting_first_token)
+
     def predicted_wait_s(self, ahead: int | None = None, tenant: str | None = None) -> float:
         """Wait for a slot of a request joining the line behind `ahead` others (default: those served before a
         request of `tenant` joining now, tenants taking turns; without a tenant: all those waiting).

@@ -159,3 +159,24 @@ async def test_a_waiter_that_gives_up_leaves_the_line_and_the_next_one_takes_the
     token = await asyncio.wait_for(second, 1)
     assert slots.in_flight == 1 and slots.waiting == 0
     slots.release(token)
+
+
+def test_the_first_spilled_stream_teaches_the_cold_lanes_start_time_before_more_spill():
+    from app.config import load_app_config
+    from app.router.control import TrafficControl
+
+    clock = FakeClock()
+    control = TrafficControl(load_app_config(cpu_args()), clock=clock)
+    control.set_replica_counts(hot=1, cold=1, routers=1)
+    spill = control.cold_spill
+    assert spill.free() > 2 and control._cold_spill_room(waited_s=0.0)
+    first = spill.take(awaits_first_token=True)
+    # Its first token has not come: the cold lane's start time under this load is unknown, so no second one yet.
+    assert spill.first_start_pending() and not control._cold_spill_room(waited_s=0.0)
+    clock.advance(0.2)
+    spill.first_token(first)
+    assert not spill.first_start_pending()
+    second = spill.take(awaits_first_token=True)
+    # Known now: more may spill while their expected start fits the target.
+    assert control._cold_spill_room(waited_s=0.0)
+    spill.release(first), spill.release(second)
