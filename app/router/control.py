@@ -140,7 +140,7 @@ class TrafficControl:
         decision = decide_route(RouteInputs(
             request_class, prompt_tokens, max_tokens, self.lane_caps,
             long_context_threshold=admission.long_context_threshold,
-            interactive_ttft_slo_s=self.interactive_ttft_target_s,
+            interactive_ttft_target_s=self.interactive_ttft_target_s,
             hot_slots=hot_slots,
             cold_spill_room=needs_spill_room and self._cold_spill_room(waited_s),
             hot_refused_for_kv=hot_refused_for_kv,

@@ -91,7 +91,7 @@ class RouteInputs:
     lane_caps: Mapping[Lane, LaneCaps]
     long_context_threshold: int
     # What admission aims at for an interactive first token: the configured target less its headroom.
-    interactive_ttft_slo_s: float = math.inf
+    interactive_ttft_target_s: float = math.inf
     # None: no Router-side slots (admission off, or a one-lane app): interactive goes to the hot lane at once.
     hot_slots: HotSlotState | None = None
     # May one more interactive request spill to the cold lane now (this Router's spill room there)?
@@ -163,15 +163,15 @@ def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, 
     if not inputs.hot_wait_expired:
         if slots is None or slots.free > 0:
             return Lane.HOT, False
-        if slots.predicted_wait_s <= inputs.interactive_ttft_slo_s:
+        if slots.predicted_wait_s <= inputs.interactive_ttft_target_s:
             return Lane.HOT, True
     if cold_usable and inputs.cold_spill_room:
         reasons.append(REASON_HOT_SATURATED)
         return Lane.COLD, False
-    wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_slo_s if slots is not None else 0)
+    wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_target_s if slots is not None else 0)
     return RouteRefusal(429, "hot_lane_full",
                         f"the hot lane is full and its queue would not start this request within the "
-                        f"{inputs.interactive_ttft_slo_s:.3g} s admission aims at for an interactive first token",
+                        f"{inputs.interactive_ttft_target_s:.3g} s admission aims at for an interactive first token",
                         retry_after_s=wait)
 
 

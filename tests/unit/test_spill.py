@@ -49,27 +49,27 @@ def test_long_context_degrades_to_cold_for_hot_classes():
 
 
 def test_interactive_takes_a_free_hot_slot_at_once():
-    decision = route(IA, hot_slots=HotSlotState(free=1, predicted_wait_s=0.0), interactive_ttft_slo_s=1.0)
+    decision = route(IA, hot_slots=HotSlotState(free=1, predicted_wait_s=0.0), interactive_ttft_target_s=1.0)
     assert decision.lane is HOT and decision.takes_hot_slot and not decision.wait_for_hot_slot
 
 
 def test_interactive_waits_for_a_hot_slot_when_the_wait_is_within_the_slo():
-    decision = route(IA, hot_slots=HotSlotState(free=0, predicted_wait_s=1.0), interactive_ttft_slo_s=1.0)
+    decision = route(IA, hot_slots=HotSlotState(free=0, predicted_wait_s=1.0), interactive_ttft_target_s=1.0)
     assert decision.lane is HOT and decision.wait_for_hot_slot and decision.takes_hot_slot and decision.reasons == ()
 
 
 def test_interactive_spills_past_a_full_hot_lane_while_the_cold_lane_has_room():
-    spilled = route(IA, hot_slots=FULL, interactive_ttft_slo_s=1.0)
+    spilled = route(IA, hot_slots=FULL, interactive_ttft_target_s=1.0)
     assert spilled.lane is COLD and spilled.reasons == ("hot_saturated",) and spilled.takes_cold_spill
     assert spilled.priority < CLASS_POLICIES[BA].priority  # ahead of the batch backlog on the cold lane
     assert not spilled.takes_hot_slot and not spilled.wait_for_hot_slot
 
 
 def test_interactive_is_refused_429_when_neither_lane_can_start_it_in_time():
-    refusal = route(IA, hot_slots=FULL, interactive_ttft_slo_s=1.0, cold_spill_room=False)
+    refusal = route(IA, hot_slots=FULL, interactive_ttft_target_s=1.0, cold_spill_room=False)
     assert isinstance(refusal, RouteRefusal) and refusal.status == 429 and refusal.code == "hot_lane_full"
     assert refusal.retry_after_s == 4  # the wait past the SLO: 5 s - 1 s
-    cold_down = route(IA, hot_slots=FULL, interactive_ttft_slo_s=1.0, open_breakers={COLD: 3})
+    cold_down = route(IA, hot_slots=FULL, interactive_ttft_target_s=1.0, open_breakers={COLD: 3})
     assert isinstance(cold_down, RouteRefusal) and cold_down.status == 429
 
 
@@ -81,7 +81,7 @@ def test_a_kv_headroom_refusal_sends_interactive_to_the_cold_lane():
 
 
 def test_realtime_never_spills_and_never_waits_for_a_router_slot():
-    decision = route(RT, hot_slots=FULL, interactive_ttft_slo_s=1.0, hot_kv_exhausted=True, cold_spill_room=False)
+    decision = route(RT, hot_slots=FULL, interactive_ttft_target_s=1.0, hot_kv_exhausted=True, cold_spill_room=False)
     assert decision.lane is HOT and decision.reasons == () and not decision.takes_hot_slot
 
 
@@ -196,7 +196,7 @@ def test_input_validation():
 
 def test_a_request_whose_hot_wait_ran_out_spills_or_is_refused():
     free = HotSlotState(free=2, predicted_wait_s=0.0)
-    spilled = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_slo_s=1.0)
+    spilled = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_target_s=1.0)
     assert spilled.lane is COLD and spilled.reasons == ("hot_saturated",)
-    refused = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_slo_s=1.0, cold_spill_room=False)
+    refused = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_target_s=1.0, cold_spill_room=False)
     assert isinstance(refused, RouteRefusal) and refused.status == 429 and refused.retry_after_s == 1
