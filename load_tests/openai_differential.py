@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         app.stop()
     report = {"when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "serve_config": args.serve_config, "vllm_version": vllm.__version__, "server_command": command,
-              "compared": compared, "refusals_only": args.refusals_only, "answer_problems": answer_problems, "refusal_problems": refusal_problems}
+              "compared": compared, "refusals_only": args.refusals_only, "answer_problems": answer_problems,
+              "refusal_problems": refusal_problems}
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     markdown = render_markdown(report)
     (out / "report.md").write_text(markdown, encoding="utf-8")

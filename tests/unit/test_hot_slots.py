@@ -92,14 +92,19 @@ def test_the_hot_slots_leave_room_for_realtime_unless_it_has_replicas_of_its_own
     assert limit(realtime_reserved_hot_replicas=1) == (sequences, 8)
 
 
+def start_one_at_a_time(slots: LaneSlots, clock: FakeClock, starts: int, latency_s: float) -> None:
+    """A quiet lane: `starts` streams, each taking a slot, having its first token `latency_s` later and leaving."""
+    for _ in range(starts):
+        token = slots.take(awaits_first_token=True)
+        clock.advance(latency_s)
+        slots.first_token(token)
+        slots.release(token)
+
+
 def test_the_start_latency_is_the_recent_tail_or_longer_while_a_holder_still_waits_for_its_first_token():
     clock = FakeClock()
     slots = LaneSlots(2, clock=clock)
-    for _ in range(3):
-        token = slots.take(awaits_first_token=True)
-        clock.advance(0.1)
-        slots.first_token(token)
-        slots.release(token)
+    start_one_at_a_time(slots, clock, starts=3, latency_s=0.1)
     assert slots.start_latency_s() == pytest.approx(0.1)
     # A burst: the holders' prefill takes far longer than the quiet spell's did, before any of them has finished.
     slow, collected = slots.take(awaits_first_token=True), slots.take()
@@ -113,12 +118,7 @@ def test_the_start_latency_is_the_recent_tail_or_longer_while_a_holder_still_wai
 def test_a_newcomer_is_predicted_to_start_behind_the_holders_still_awaiting_their_first_token():
     clock = FakeClock()
     slots = LaneSlots(64, clock=clock)
-    # Quiet: one start at a time, 0.1 s each.
-    for _ in range(4):
-        token = slots.take(awaits_first_token=True)
-        clock.advance(0.1)
-        slots.first_token(token)
-        slots.release(token)
+    start_one_at_a_time(slots, clock, starts=4, latency_s=0.1)  # quiet
     assert slots.start_latency_s() == pytest.approx(0.1)
     # A burst takes 20 free slots at once: before any first token (and before the oldest has waited long), a
     # newcomer's start is predicted behind all 20 of them, not at the quiet spell's 0.1 s.
