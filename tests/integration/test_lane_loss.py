@@ -56,9 +56,10 @@ def lane_loss_app(apps):
     return apps.use("lane-loss", write_lane_loss_config, ready=all_replicas_running)
 
 
-def kill_one_replica(deployment: str) -> tuple[str, float]:
+def kill_one_replica(deployment: str) -> tuple[str, tuple[float, float]]:
     """Kill one replica actor of `deployment` (no restart of that actor: Serve replaces it); its name and the
-    moment of the kill (connecting to the cluster first takes seconds on a busy host)."""
+    kill's moments, just before `ray.kill` and when it returned (connecting to the cluster first takes seconds on a
+    busy host, so neither is taken before that)."""
     import ray
 
     ray.init(address="auto", logging_level="ERROR")
@@ -66,21 +67,23 @@ def kill_one_replica(deployment: str) -> tuple[str, float]:
         actors = sorted((a for a in ray.util.list_named_actors(all_namespaces=True)
                          if f"#{deployment}#" in a["name"]), key=lambda a: a["name"])
         assert len(actors) >= 2, actors
-        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
-        return actors[0]["name"], time.monotonic()
+        victim = ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
+        sent_at = time.monotonic()
+        ray.kill(victim, no_restart=True)
+        return actors[0]["name"], (sent_at, time.monotonic())
     finally:
         ray.shutdown()
 
 
-async def run_load_around(load: Load, workers: list, kill, settle_s: float, after_s: float) -> float:
-    """Run the load for `settle_s`, kill (a call returning the kill's moment), keep it running `after_s`, stop it;
-    the kill's moment."""
+async def run_load_around(load: Load, workers: list, kill, settle_s: float, after_s: float):
+    """Run the load for `settle_s`, kill (a call returning the kill's moments), keep it running `after_s`, stop it;
+    what the kill returned."""
     await asyncio.sleep(settle_s)
-    killed_at = await asyncio.to_thread(kill)
+    kill_result = await asyncio.to_thread(kill)
     await asyncio.sleep(after_s)
     load.stop.set()
     await asyncio.gather(*workers)
-    return killed_at
+    return kill_result
 
 
 def describe(outcomes: list[Outcome]) -> list[tuple]:
@@ -92,11 +95,11 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30)) as client:
         workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
         workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
-        killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane")[1], settle_s=8,
-                                          after_s=25)
+        kill_sent_at, killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane")[1],
+                                                        settle_s=8, after_s=25)
     flex = [o for o in load.outcomes if o.kind == "flex"]
     cold_replicas = {o.replica for o in flex if o.replica}
-    across = [o for o in flex if o.started < killed_at < o.ended]
+    across = [o for o in flex if o.started < killed_at and o.ended > kill_sent_at]
     failed = [o for o in load.outcomes if not o.finished]
     print(f"cold replica killed: {len(load.outcomes)} requests, {len(flex)} flex ({len(across)} in flight at the "
           f"kill) on replicas {sorted(cold_replicas)}, {len(failed)} failed")
@@ -117,7 +120,7 @@ async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lan
 
         def kill_router() -> float:
             killed.append(kill_one_replica("Router"))
-            return killed[0][1]
+            return killed[0][1][1]
 
         killed_at = await run_load_around(load, workers, kill_router, settle_s=6, after_s=15)
     killed_name = killed[0][0]
