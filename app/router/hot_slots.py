@@ -161,4 +161,5 @@ class LaneSlots:
         hold = self.hold_time_s()
         return {"limit": self.limit, "in_flight": self.in_flight, "waiting": self.waiting,
                 "waiting_by_tenant": self._waiters.waiting_by_tenant(),
-                "peak_in_flight": self.peak_in_flight, "hold_time_s": round(hold, 3) if hold is not None else None}
+                "peak_in_flight": self.peak_in_flight, "peak_waiting": self._waiters.peak_waiting,
+                "hold_time_s": round(hold, 3) if hold is not None else None}

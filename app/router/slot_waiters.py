@@ -40,6 +40,7 @@ class SlotWaiters:
         self._turns: deque[str] = deque()  # tenants with a queue, the next to be served first
         self._served_this_turn = 0  # slots the tenant at the front of _turns has taken on its current turn
         self._waiting = 0
+        self.peak_waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
@@ -79,6 +80,7 @@ class SlotWaiters:
         waiter = loop.create_future()
         self._enqueue(tenant, waiter)
         self._waiting += 1
+        self.peak_waiting = max(self.peak_waiting, self._waiting)
         try:
             while True:
                 try:

@@ -70,6 +70,8 @@ async def test_waiters_are_served_first_come_first_served_as_slots_free():
     slots.release(await first)
     await second
     assert order == ["first", "second"]
+    # The stats keep the longest line since the start, after it is gone (how an operator sees that requests waited).
+    assert slots.stats()["waiting"] == 0 and slots.stats()["peak_waiting"] == 2
 
 
 def test_the_share_of_slots_is_split_across_routers_rounded_up():
