@@ -17,6 +17,11 @@ non-blocking, only threads holding the GIL: Python's own work) in the HTTP proxy
 a flame graph per process (`profile/<target>-<process>.svg`) and the functions with the most samples in the report;
 /proc CPU time per process over that run comes with it (load_tests/cpu_sampler.py).
 
+With `--direct-ingress`, each app is started with Ray Serve's direct ingress (load_tests/direct_ingress.py) and
+measured twice on the same running app: through the HTTP proxy (target `app-…`), then on the Router replica's own
+port, without the proxy hop (target `app-…-direct`; a config of one Router replica, since the benchmark client
+sends to one URL). Direct ingress is a cluster setting, not a serve-config key (docs/operators.md).
+
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
 p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
 arguments: the median of its runs over the median of the server's), the per-run bench JSON files, the derived configs and every target's log.
@@ -37,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from load_tests import cpu_sampler, host
+from load_tests import cpu_sampler, direct_ingress, host
 
 VLLM_SERVER_PORT = 8100
 READY_TIMEOUT_S = 600.0
@@ -297,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="one more run per app target with py-spy on the proxy, Router and HotLane replica")
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="start each app with Serve's direct ingress and measure it also on the Router's own port")
     args = parser.parse_args(argv)
 
     from load_tests.overload import derived_config
@@ -316,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             servers[key] = f"vllm-server-{len(servers) + 1}"
             plan.append({"name": servers[key], "config": config, "engine_args": engine_args, "env": server_env})
         name = f"app-{index + 1}-{Path(config).stem}"
+        if args.direct_ingress and direct_ingress.router_replicas(document) != 1:
+            parser.error(f"--direct-ingress needs one Router replica; {config} has "
+                         f"{direct_ingress.router_replicas(document)} (vllm bench serve sends to one URL)")
         plan.append({"name": name, "config": config, "document": derived_config(document, [], out / name),
                      "compared_with": servers[key], "engine_args": engine_args})
 
@@ -336,26 +346,34 @@ def main(argv: list[str] | None = None) -> int:
             url = app_url(step["document"]).rstrip("/")
             served = ServedApp(url, out / f"{name}.log", start_command=default_start_command(str(config_path)),
                                stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
-                               ready_timeout_s=args.ready_timeout, env=checkout_env())
+                               ready_timeout_s=args.ready_timeout,
+                               env={**checkout_env(), **(direct_ingress.ENV if args.direct_ingress else {})})
         _log(f"starting {name}")
+        measured: list[tuple[str, list[dict], dict[str, Any] | None]] = []
         try:
             served.start()
             _log(f"{name} ready after {served.wait_ready():.0f} s")
-            runs, profiled = _measure(name, url, model, tokenizer, args, out,
-                                      profile=args.profile and "document" in step)
-        except (AppStartError, subprocess.CalledProcessError) as error:
+            measured.append((name, *_measure(name, url, model, tokenizer, args, out,
+                                             profile=args.profile and "document" in step)))
+            if args.direct_ingress and "document" in step:
+                direct_url = direct_ingress.router_urls(step["document"], [served.log_path])
+                _log(f"{name}: direct ingress at {direct_url}")
+                measured.append((f"{name}-direct", *_measure(f"{name}-direct", direct_url, model, tokenizer, args,
+                                                             out)))
+        except (AppStartError, TimeoutError, subprocess.CalledProcessError) as error:
             print(f"{name}: {error}", file=sys.stderr)
             return 1
         finally:
             served.stop()
-        target = {"name": name, "config": step["config"], "runs": runs, "summary": summarize(runs)}
-        if profiled is not None:
-            target["profile"] = profiled
-        if "document" in step:
-            target["compared_with"] = step["compared_with"]
-        else:
-            target["server_flags"] = engine_cli_args(engine_args)
-        targets.append(target)
+        for measured_name, runs, profiled in measured:
+            target = {"name": measured_name, "config": step["config"], "runs": runs, "summary": summarize(runs)}
+            if profiled is not None:
+                target["profile"] = profiled
+            if "document" in step:
+                target["compared_with"] = step["compared_with"]
+            else:
+                target["server_flags"] = engine_cli_args(engine_args)
+            targets.append(target)
 
     by_name = {target["name"]: target for target in targets}
     for target in targets:

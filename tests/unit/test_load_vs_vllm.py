@@ -3,6 +3,12 @@ ratios compare each app target with the server that ran its engine arguments."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+import yaml
+
+from load_tests import vs_vllm
 from load_tests.overlay import load_serve_config
 from load_tests.vs_vllm import engine_cli_args, ratios, render_markdown, server_engine, summarize
 
@@ -52,3 +58,15 @@ def test_top_functions_ranks_own_samples_and_merges_lines():
     ])
     ranked = top_functions(collapsed, top=2)
     assert ranked == [("encode (json/encoder.py)", 0.6, 0.6), ("handle (app/router/http_api.py)", 0.3, 0.9)]
+
+
+def test_direct_ingress_is_refused_for_more_than_one_router_replica(tmp_path, capsys):
+    # vllm bench serve sends to one URL, and each Router replica has its own port under direct ingress.
+    document = yaml.safe_load((Path(__file__).resolve().parents[2] / "serve_configs" / "local.yaml").read_text())
+    document["applications"][0]["args"]["router"]["num_replicas"] = 2
+    config = tmp_path / "two-routers.yaml"
+    config.write_text(yaml.safe_dump(document))
+    with pytest.raises(SystemExit) as exited:
+        vs_vllm.main(["--serve-config", str(config), "--out", str(tmp_path / "out"), "--direct-ingress"])
+    assert exited.value.code == 2
+    assert "--direct-ingress needs one Router replica; " in capsys.readouterr().err
