@@ -304,10 +304,11 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-# Tenant A's flood: more short requests at once than the hot slots of both Routers (2 x 14), so a line of A's requests
-# waits in each Router.
+# Tenant A's flood: more requests at once than the hot slots of both Routers (2 x 14), so a line of A's requests
+# waits in each Router. Each answer is long enough to hold its slot for a while: with 16 tokens a request spent
+# most of its round trip outside the Router, and on a slower host the flood filled 5 of a Router's 14 slots.
 FLOOD_CONCURRENCY = 40
-FLOOD_MAX_TOKENS = 16
+FLOOD_MAX_TOKENS = 64
 TTFT_SAMPLES = 20
 
 
@@ -325,21 +326,26 @@ def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, se
              str(FLOOD_MAX_TOKENS)], env={**os.environ, "FLOOD_API_KEY": KEY_A}, cwd=ROOT,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            time.sleep(5)  # the flood fills the slots and the Routers' lines
+            # The flood fills the slots and the Routers' lines; B is measured once it runs steadily (in its first
+            # seconds B's TTFT was 200-300 ms: 40 connections opening, the hot engine's first batches of that size).
+            time.sleep(10)
             lanes: list[str] = []
             during = [ttft_s(client_b, url, served_model, KEY_B, lanes) for _ in range(TTFT_SAMPLES)]
-            # Where requests wait during the flood (one Router's view, and the hot engine's).
-            stats = httpx.get(f"{url}/v1/admin/stats", headers=bearer(KEY_ADMIN), timeout=60).json()
+            # Where requests waited during the flood: each read is one Router's view (the proxy picks the Router),
+            # so read a few times.
+            reads = [httpx.get(f"{url}/v1/admin/stats", headers=bearer(KEY_ADMIN), timeout=60).json()
+                     for _ in range(6)]
         finally:
             flood_answers, _ = flood.communicate("", timeout=180)
-    hot_slots, hot_engine = stats["router"]["hot_slots"], stats["lanes"]["hot"][0]
+    hot_slots = [read["router"]["hot_slots"] for read in reads]
+    hot_engine = reads[-1]["lanes"]["hot"][0]
     print(f"tenant B's interactive TTFT p50: alone {median(alone) * 1000:.0f} ms, during A's flood "
           f"{median(during) * 1000:.0f} ms (A's answers {flood_answers.strip()}); B's lanes {sorted(set(lanes))}, "
-          f"each {[round(t * 1000) for t in during]} ms; one Router's hot slots {hot_slots}, hot engine running "
+          f"each {[round(t * 1000) for t in during]} ms; Routers' hot slots {hot_slots}, hot engine running "
           f"{hot_engine.get('running')} waiting {hot_engine.get('waiting')}")
     assert json.loads(flood_answers).get("200", 0) > FLOOD_CONCURRENCY, flood_answers
-    assert hot_slots["peak_in_flight"] == hot_slots["limit"] and hot_slots["peak_waiting"] > 0, (
-        "A's flood did not fill the Router's hot slots and leave requests waiting for them")
+    assert any(slots["peak_in_flight"] == slots["limit"] and slots["peak_waiting"] > 0
+               for slots in hot_slots), "A's flood filled no Router's hot slots with a line behind them"
     assert median(during) <= 2 * median(alone)
 
 
