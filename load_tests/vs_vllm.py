@@ -323,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             servers[key] = f"vllm-server-{len(servers) + 1}"
             plan.append({"name": servers[key], "config": config, "engine_args": engine_args, "env": server_env})
         name = f"app-{index + 1}-{Path(config).stem}"
-        if args.direct_ingress and direct_ingress.router_replicas(document) != 1:
-            parser.error(f"--direct-ingress needs one Router replica; {config} has "
-                         f"{direct_ingress.router_replicas(document)} (vllm bench serve sends to one URL)")
+        routers = direct_ingress.router_replicas(document)
+        if args.direct_ingress and routers != 1:
+            parser.error(f"--direct-ingress needs one Router replica; {config} has {routers} (vllm bench serve "
+                         "sends to one URL)")
         plan.append({"name": name, "config": config, "document": derived_config(document, [], out / name),
                      "compared_with": servers[key], "engine_args": engine_args})
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from load_tests.overload import retry_after_s
 from tests.integration.conftest import (
     AppProcess,
     kill_the_only_replica,
@@ -183,7 +184,7 @@ async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, s
             if response.status_code != 429:
                 return response.status_code
             refusals.append(response.json()["error"]["code"])
-            await asyncio.sleep(min(float(response.headers.get("Retry-After", 1)), 10))
+            await asyncio.sleep(min(retry_after_s(response.headers.get("Retry-After")) or 1, 10))
         return response.status_code
 
     async with httpx.AsyncClient(timeout=120) as client:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
