@@ -162,7 +162,7 @@ class TrafficControl:
         slots = self.hot_slots
         if slots is None:
             return None
-        free = slots.free()
+        free = slots.free(tenant)
         return HotSlotState(free, 0.0 if free else slots.predicted_wait_s(tenant=tenant) + slots.start_latency_s())
 
     def _cold_spill_room(self, waited_s: float) -> bool:

@@ -13,12 +13,17 @@ the tail of the recent ones, or longer while a request holding a slot has waited
 token (a burst slows prefill before any slow start has finished and been recorded), or longer while many holders
 still await their first token: a newcomer's prefill queues behind theirs, so its start is counted as one recent
 start's cost per request ahead of it (each recent start's time divided by the starts it queued behind, plus one).
+
+Tenants: while another tenant has used these slots within the last `TENANT_ACTIVE_S`, one tenant holds at most all
+but one of them, so a flood of one tenant leaves a slot that another's next request takes at once (rather than after
+the flood's next finish, which under a flood of long answers came hundreds of milliseconds apart). With one tenant
+in sight every slot is its own.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
 from app.observability.percentile import percentile
@@ -27,6 +32,8 @@ from app.router.slot_waiters import DEFAULT_TENANT, SlotWaiters
 START_LATENCY_PERCENTILE = 99
 # Hold times kept for the prediction: enough to smooth one slow request, few enough to follow a change of load.
 HOLD_TIME_SAMPLES = 32
+# How long a tenant that took a slot counts as active: long enough to span an interactive client's think time.
+TENANT_ACTIVE_S = 60.0
 
 
 class LaneSlots:
@@ -36,7 +43,9 @@ class LaneSlots:
         self.clock = clock
         self.in_flight = 0
         self.peak_in_flight = 0
-        self._holders: dict[int, float] = {}
+        self._holders: dict[int, tuple[float, str]] = {}  # token -> (when it took its slot, its tenant)
+        self._held_by: Counter[str] = Counter()
+        self._last_take_by: dict[str, float] = {}  # tenant -> when it last took a slot
         # token -> (when it took its slot, holders then awaiting their first token ahead of it)
         self._awaiting_first_token: dict[int, tuple[float, int]] = {}
         self._next_token = 0
@@ -44,15 +53,28 @@ class LaneSlots:
         self._start_latencies: deque[float] = deque(maxlen=hold_samples)
         # Each recent start's time per request it queued behind (itself included): the lane's pace of starts.
         self._start_costs: deque[float] = deque(maxlen=hold_samples)
-        self._waiters = SlotWaiters(weights=tenant_weights)
+        self._waiters = SlotWaiters(self.may_take, weights=tenant_weights)
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def free(self) -> int:
-        """Slots a newcomer could take now: none while others wait (they go first)."""
-        return 0 if self.waiting else max(self.limit - self.in_flight, 0)
+    def cap(self, tenant: str) -> int:
+        """Slots `tenant` may hold: all but one while another tenant is active here (limit permitting), else all."""
+        if self.limit < 2:
+            return self.limit
+        since = self.clock() - TENANT_ACTIVE_S
+        others = any(other != tenant and taken >= since for other, taken in self._last_take_by.items())
+        return self.limit - 1 if others else self.limit
+
+    def may_take(self, tenant: str) -> bool:
+        return self.in_flight < self.limit and self._held_by[tenant] < self.cap(tenant)
+
+    def free(self, tenant: str = DEFAULT_TENANT) -> int:
+        """Slots a newcomer of `tenant` could take now: none while a request waiting may take one (it goes first)."""
+        if self._waiters.served_first():
+            return 0
+        return max(min(self.limit - self.in_flight, self.cap(tenant) - self._held_by[tenant]), 0)
 
     def set_limit(self, limit: int) -> None:
         self.limit = max(limit, 0)
@@ -61,7 +83,7 @@ class LaneSlots:
     def hold_time_s(self) -> float | None:
         """Expected time a request holds a slot: max(mean recent hold, mean age of the current holders)."""
         now = self.clock()
-        ages = [now - since for since in self._holders.values()]
+        ages = [now - since for since, _ in self._holders.values()]
         candidates = []
         if self._holds:
             candidates.append(sum(self._holds) / len(self._holds))
@@ -123,14 +145,18 @@ class LaneSlots:
         hold = self.hold_time_s()
         return None if hold is None else hold / self.limit
 
-    def take(self, awaits_first_token: bool = False) -> int:
-        """Take a slot now (the caller checked free() or was granted one); returns the token for release().
-        `awaits_first_token`: the holder reports its first token (first_token()), so its wait for it counts in
+    def take(self, awaits_first_token: bool = False, tenant: str = DEFAULT_TENANT) -> int:
+        """Take a slot now for `tenant` (the caller checked free() or was granted one); returns the token for
+        release(). `awaits_first_token`: the holder reports its first token (first_token()), so its wait for it counts in
         start_latency_s() (a streamed request; a collected answer's first chunk is its whole answer)."""
         token = self._next_token
         self._next_token += 1
         now = self.clock()
-        self._holders[token] = now
+        self._holders[token] = (now, tenant)
+        self._held_by[tenant] += 1
+        self._last_take_by[tenant] = now
+        if len(self._last_take_by) > 1:
+            self._forget_inactive_tenants(now)
         if awaits_first_token:
             self._awaiting_first_token[token] = (now, len(self._awaiting_first_token))
         self.in_flight += 1
@@ -142,24 +168,34 @@ class LaneSlots:
         """Wait for a slot (tenants in turn, FIFO within one), take it, return its token. Cancellation leaves the
         line; so does `give_up()` turning true while waiting (SlotWaitAbandoned: the wait it still has is no longer
         worth it)."""
-        await self._waiters.wait_until(lambda: self.in_flight < self.limit, tenant, give_up)
-        return self.take(awaits_first_token)
+        await self._waiters.wait_until(tenant, give_up)
+        return self.take(awaits_first_token, tenant)
 
     def release(self, token: int, record_hold: bool = True) -> None:
         """Give a slot back (exactly once per take). `record_hold`: its hold time feeds the prediction (False for a
         request that ended early by failure or cancellation, whose hold says nothing about the lane's pace)."""
-        since = self._holders.pop(token, None)
+        holder = self._holders.pop(token, None)
         self._awaiting_first_token.pop(token, None)
-        if since is None:
+        if holder is None:
             return
+        since, tenant = holder
         self.in_flight -= 1
+        self._held_by[tenant] -= 1
+        if not self._held_by[tenant]:
+            del self._held_by[tenant]
         if record_hold:
             self._holds.append(self.clock() - since)
         self._waiters.notify_one()
 
+    def _forget_inactive_tenants(self, now: float) -> None:
+        for tenant, taken in list(self._last_take_by.items()):
+            if taken < now - TENANT_ACTIVE_S:
+                del self._last_take_by[tenant]
+
     def stats(self) -> dict[str, float | int | None]:
         hold = self.hold_time_s()
-        return {"limit": self.limit, "in_flight": self.in_flight, "waiting": self.waiting,
+        return {"limit": self.limit, "in_flight": self.in_flight, "in_flight_by_tenant": dict(self._held_by),
+                "waiting": self.waiting,
                 "waiting_by_tenant": self._waiters.waiting_by_tenant(),
                 "peak_in_flight": self.peak_in_flight, "peak_waiting": self._waiters.peak_waiting,
                 "hold_time_s": round(hold, 3) if hold is not None else None}

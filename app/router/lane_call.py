@@ -197,9 +197,9 @@ class LaneCall:
         streamed = self.context.lane_request.stream
         if decision.takes_hot_slot:
             slots = self.control.hot_slots
-            if slots.free() > 0:
+            if slots.free(self.context.tenant) > 0:
                 # The common case, taken without a task or a trip through the event loop.
-                token = slots.take(awaits_first_token=streamed)
+                token = slots.take(awaits_first_token=streamed, tenant=self.context.tenant)
             else:
                 arrived_at = self.context.record.arrived_at
 

@@ -6,16 +6,19 @@ tenant of weight w takes up to w slots in a row on its turn, 1 by default), so o
 requests delays another tenant's by at most its weight in slots per turn, not by the whole flood. With one tenant
 this is plain first come, first served.
 
-Pure asyncio, no Ray. The condition a waiter needs (a free hot-lane slot) lives elsewhere (LaneSlots); this only
-parks the waiters and wakes them. A waiter also re-checks every `recheck_s`, because a condition can become true
-without a slot being freed (the Router's share of the slots grows when a replica comes up).
+Pure asyncio, no Ray. Whether a tenant may take a slot now (`can_take`) lives elsewhere (LaneSlots: a free slot
+within the tenant's cap); this only parks the waiters and wakes them. A freed slot goes to the first tenant in the
+rotation that may take it, so a tenant at its cap neither takes nor blocks a slot kept for the others, and a newcomer
+takes a free slot at once when none of those waiting may take it. A waiter also re-checks every `recheck_s`,
+because a condition can become true without a slot being freed (the Router's share of the slots grows when a
+replica comes up).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
 from app.batch.store import DEFAULT_TENANT
@@ -28,18 +31,23 @@ class SlotWaitAbandoned(Exception):
 
 
 class SlotWaiters:
-    def __init__(self, recheck_s: float = RECHECK_S, weights: Mapping[str, int] | None = None):
-        """`weights`: slots a tenant takes in a row on its turn (auth.tenant_weights); 1 for a tenant not named."""
+    def __init__(self, can_take: Callable[[str], bool], recheck_s: float = RECHECK_S,
+                 weights: Mapping[str, int] | None = None):
+        """`can_take(tenant)`: a request of `tenant` may take a slot now. `weights`: slots a tenant takes in a row on
+        its turn (auth.tenant_weights); 1 for a tenant not named."""
         if recheck_s <= 0:
             raise ValueError(f"recheck_s={recheck_s} must be > 0")
         if weights and min(weights.values()) < 1:
             raise ValueError(f"tenant weights must be >= 1, got {dict(weights)}")
+        self.can_take = can_take
         self.recheck_s = recheck_s
         self.weights = dict(weights or {})
         self._queues: dict[str, deque[asyncio.Future]] = {}
         self._turns: deque[str] = deque()  # tenants with a queue, the next to be served first
         self._served_this_turn = 0  # slots the tenant at the front of _turns has taken on its current turn
         self._waiting = 0
+        # Requests in line or woken and not yet back from wait_until(), per tenant.
+        self._waiting_tenants: Counter[str] = Counter()
         self.peak_waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -49,6 +57,10 @@ class SlotWaiters:
 
     def waiting_by_tenant(self) -> dict[str, int]:
         return {tenant: sum(not w.done() for w in queue) for tenant, queue in self._queues.items()}
+
+    def served_first(self) -> bool:
+        """Some request waiting (in line or woken) may take a slot now: it goes before any newcomer."""
+        return any(self.can_take(tenant) for tenant in self._waiting_tenants)
 
     def weight(self, tenant: str) -> int:
         return self.weights.get(tenant, 1)
@@ -68,18 +80,18 @@ class SlotWaiters:
             self._turns.append(tenant)
         self._queues[tenant].append(waiter)
 
-    async def wait_until(self, has_slot: Callable[[], bool], tenant: str = DEFAULT_TENANT,
-                         give_up: Callable[[], bool] | None = None) -> None:
-        """Return once has_slot() is true; the caller takes the slot before its next await. `give_up`, asked at
-        each re-check and wake-up before has_slot(): true leaves the line (SlotWaitAbandoned), handing a wake-up on
-        to the next waiter."""
-        # Those already waiting go first: a newcomer does not overtake them even when a slot happens to be free.
-        if not self._waiting and has_slot():
+    async def wait_until(self, tenant: str = DEFAULT_TENANT, give_up: Callable[[], bool] | None = None) -> None:
+        """Return once a request of `tenant` may take a slot; the caller takes it before its next await. `give_up`,
+        asked at each re-check and wake-up before can_take(): true leaves the line (SlotWaitAbandoned), handing a
+        wake-up on to the next waiter."""
+        # Those already waiting go first: a newcomer does not overtake one that may take the free slot.
+        if self.can_take(tenant) and not self.served_first():
             return
         loop = self._loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._enqueue(tenant, waiter)
         self._waiting += 1
+        self._waiting_tenants[tenant] += 1
         self.peak_waiting = max(self.peak_waiting, self._waiting)
         try:
             while True:
@@ -88,15 +100,15 @@ class SlotWaiters:
                 except asyncio.TimeoutError:
                     if give_up is not None and give_up():
                         raise SlotWaitAbandoned() from None
-                    if has_slot():
+                    if self.can_take(tenant):
                         return
                     continue  # still in line, same place
                 if give_up is not None and give_up():
                     raise SlotWaitAbandoned()
-                if has_slot():
+                if self.can_take(tenant):
                     return
-                # Woken, but the freed slot is not one this request may take (a hot loan while interactive work
-                # waits): back in line, at the end of its tenant's.
+                # Woken, but the slot went to a request that may take it first: back in line, at the end of its
+                # tenant's.
                 waiter = loop.create_future()
                 self._enqueue(tenant, waiter)
         except (asyncio.CancelledError, SlotWaitAbandoned):
@@ -105,6 +117,9 @@ class SlotWaiters:
             raise
         finally:
             self._waiting -= 1
+            self._waiting_tenants[tenant] -= 1
+            if not self._waiting_tenants[tenant]:
+                del self._waiting_tenants[tenant]
             if not waiter.done():
                 waiter.cancel()  # out of line: notify_one skips it
 
@@ -124,19 +139,33 @@ class SlotWaiters:
         self._wake_first()
 
     def _wake_first(self) -> None:
-        while self._turns:
-            tenant = self._turns[0]
+        """Wake the next request of the first tenant in the rotation that may take a slot now; tenants ahead of it
+        that may not (at their cap) keep their places."""
+        for tenant in list(self._turns):
             queue = self._queues[tenant]
             while queue and queue[0].done():
                 queue.popleft()  # left the line (cancelled) or already woken
             if not queue:
-                self._end_turn(tenant)
+                self._leave_rotation(tenant)
                 continue
+            if not self.can_take(tenant):
+                continue
+            if tenant != self._turns[0]:
+                # Its turn comes early, as those ahead cannot use this slot.
+                self._turns.remove(tenant)
+                self._turns.appendleft(tenant)
+                self._served_this_turn = 0
             queue.popleft().set_result(None)
             self._served_this_turn += 1
             if self._served_this_turn >= self.weight(tenant) or not queue:
                 self._end_turn(tenant)
             return
+
+    def _leave_rotation(self, tenant: str) -> None:
+        if self._turns[0] == tenant:
+            self._served_this_turn = 0
+        self._turns.remove(tenant)
+        del self._queues[tenant]
 
     def _end_turn(self, tenant: str) -> None:
         """The tenant at the front has had its turn: to the back of the rotation while it has requests waiting."""

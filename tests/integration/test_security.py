@@ -306,15 +306,19 @@ def median(values: list[float]) -> float:
 
 # Tenant A's flood: more requests at once than the hot slots of both Routers (2 x 14), so a line of A's requests
 # waits in each Router. Each answer is long enough to hold its slot for a while: with 16 tokens a request spent
-# most of its round trip outside the Router, and on a slower host the flood filled 5 of a Router's 14 slots.
+# most of its round trip outside the Router, and on a slower host the flood filled 5 of a Router's 14 slots. Long
+# answers also keep A's requests per second, which B's share the HTTP proxy and the 2 cores with, at what a real
+# tenant's long answers cost: with 64 tokens A finished about 55 requests a second, and B's first token waited
+# for the proxy and the host's cores two to eight times longer than for its slot.
 FLOOD_CONCURRENCY = 40
-FLOOD_MAX_TOKENS = 64
+FLOOD_MAX_TOKENS = 256
 TTFT_SAMPLES = 20
 
 
 def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, served_model):
     """Tenant A floods the hot lane past its slots (requests wait in the Routers); tenant B's interactive TTFT p50
-    stays within 2x of B's alone, as B's waiting requests take their turn ahead of A's backlog.
+    stays within 2x of B's alone, as B's requests take the slot a flooding tenant leaves to the others (or their
+    turn ahead of A's backlog).
 
     Each tenant is its own client, as in production: A's flood runs in a process (and session) of its own, and B
     keeps one connection pool for all its requests, alone and during the flood."""
@@ -344,7 +348,8 @@ def test_one_tenants_flood_does_not_starve_anothers_interactive_requests(url, se
           f"each {[round(t * 1000) for t in during]} ms; Routers' hot slots {hot_slots}, hot engine running "
           f"{hot_engine.get('running')} waiting {hot_engine.get('waiting')}")
     assert json.loads(flood_answers).get("200", 0) > FLOOD_CONCURRENCY, flood_answers
-    assert any(slots["peak_in_flight"] == slots["limit"] and slots["peak_waiting"] > 0
+    # A holds at most all but one of a Router's slots while B is active (hot_slots.py).
+    assert any(slots["peak_in_flight"] >= slots["limit"] - 1 and slots["peak_waiting"] > 0
                for slots in hot_slots), "A's flood filled no Router's hot slots with a line behind them"
     assert median(during) <= 2 * median(alone)
 

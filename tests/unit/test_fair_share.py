@@ -120,3 +120,52 @@ def test_a_tenant_of_weight_three_takes_three_slots_per_turn_and_its_wait_is_pre
     order, ahead_gold, ahead_std = asyncio.run(run())
     assert order == ["s0", "g0", "g1", "g2", "s1", "g3", "g4", "g5", "s2", "s3"], order
     assert ahead_gold == 6 + 3 and ahead_std == 4 + 6
+
+
+def test_a_flooding_tenant_leaves_a_slot_that_another_active_tenants_request_takes_at_once():
+    async def run():
+        clock = FakeClock()
+        slots = LaneSlots(limit=4, clock=clock)
+        slots.release(slots.take(tenant="b"))  # B has been here: active
+        flood = [slots.take(tenant="a") for _ in range(3)]
+        assert slots.free("a") == 0 and slots.free("b") == 1  # A's cap is all but one
+        waiting_a = [asyncio.create_task(slots.acquire("a")) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        b = await asyncio.wait_for(slots.acquire("b"), timeout=0.1)  # past A's line, into the slot kept free
+        assert slots.stats()["in_flight_by_tenant"] == {"a": 3, "b": 1} and not any(t.done() for t in waiting_a)
+        slots.release(flood.pop())  # one of A's finishes: the next of A's line takes its place
+        await asyncio.sleep(0.01)
+        assert sum(task.done() for task in waiting_a) == 1 and slots.in_flight == 4
+        for task in waiting_a:
+            task.cancel()
+        await asyncio.gather(*waiting_a, return_exceptions=True)
+        return slots, clock, b
+
+    slots, clock, b = asyncio.run(run())
+    slots.release(b)
+    clock.advance(61)  # B gone quiet: A may have every slot again
+    assert slots.free("a") == 4 - slots.in_flight
+
+
+def test_one_tenant_alone_may_hold_every_slot():
+    slots = LaneSlots(limit=3, clock=FakeClock())
+    for _ in range(3):
+        assert slots.free("a") > 0
+        slots.take(tenant="a")
+    assert slots.in_flight == 3
+
+
+def test_a_freed_slot_skips_a_tenant_at_its_cap_for_the_next_that_may_take_it():
+    async def run():
+        slots = LaneSlots(limit=2, clock=FakeClock())
+        a, b = slots.take(tenant="a"), slots.take(tenant="b")  # each at its cap of one
+        order = []
+        tasks = await queue_requests(slots, "a", 2, order) + await queue_requests(slots, "b", 1, order)
+        slots.release(b)  # A is first in the rotation but holds its cap: B's waiting request takes the slot
+        await asyncio.sleep(0.01)
+        assert order == ["b0"]
+        slots.release(a)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run()) == ["b0", "a0", "a1"]

@@ -9,7 +9,7 @@ class Slots:
     def __init__(self, free: int):
         self.free = free
 
-    def has_slot(self) -> bool:
+    def has_slot(self, tenant: str) -> bool:
         return self.free > 0
 
     def take(self) -> None:
@@ -18,19 +18,21 @@ class Slots:
 
 
 async def take_when_free(waiters: SlotWaiters, slots: Slots, order: list[int], i: int) -> None:
-    await waiters.wait_until(slots.has_slot)
+    await waiters.wait_until()
     slots.take()  # before the next await, as the Router does
     order.append(i)
 
 
 async def test_a_free_slot_is_taken_without_waiting():
-    waiters, slots = SlotWaiters(), Slots(1)
-    await asyncio.wait_for(waiters.wait_until(slots.has_slot), timeout=0.1)
+    slots = Slots(1)
+    waiters = SlotWaiters(slots.has_slot)
+    await asyncio.wait_for(waiters.wait_until(), timeout=0.1)
     assert len(waiters) == 0
 
 
 async def test_freed_slots_go_to_the_waiters_in_arrival_order_one_per_slot():
-    waiters, slots, order = SlotWaiters(recheck_s=10), Slots(0), []
+    slots, order = Slots(0), []
+    waiters = SlotWaiters(slots.has_slot, recheck_s=10)
     tasks = [asyncio.create_task(take_when_free(waiters, slots, order, i)) for i in range(5)]
     await asyncio.sleep(0.01)
     assert len(waiters) == 5 and order == []
@@ -48,7 +50,8 @@ async def test_freed_slots_go_to_the_waiters_in_arrival_order_one_per_slot():
 
 
 async def test_a_newcomer_does_not_overtake_those_waiting():
-    waiters, slots, order = SlotWaiters(recheck_s=10), Slots(0), []
+    slots, order = Slots(0), []
+    waiters = SlotWaiters(slots.has_slot, recheck_s=10)
     first = asyncio.create_task(take_when_free(waiters, slots, order, 0))
     await asyncio.sleep(0.01)
     slots.free = 1  # free, but nobody was told yet: the newcomer must queue behind the first
@@ -65,7 +68,8 @@ async def test_a_newcomer_does_not_overtake_those_waiting():
 
 
 async def test_a_condition_that_turns_true_without_a_notification_is_seen_at_the_recheck():
-    waiters, slots, order = SlotWaiters(recheck_s=0.02), Slots(0), []
+    slots, order = Slots(0), []
+    waiters = SlotWaiters(slots.has_slot, recheck_s=0.02)
     task = asyncio.create_task(take_when_free(waiters, slots, order, 0))
     await asyncio.sleep(0.01)
     slots.free = 1
@@ -74,7 +78,8 @@ async def test_a_condition_that_turns_true_without_a_notification_is_seen_at_the
 
 
 async def test_a_waiter_that_leaves_is_skipped():
-    waiters, slots, order = SlotWaiters(recheck_s=10), Slots(0), []
+    slots, order = Slots(0), []
+    waiters = SlotWaiters(slots.has_slot, recheck_s=10)
     gone = asyncio.create_task(take_when_free(waiters, slots, order, 0))
     stays = asyncio.create_task(take_when_free(waiters, slots, order, 1))
     await asyncio.sleep(0.01)
@@ -90,13 +95,14 @@ async def test_a_waiter_that_leaves_is_skipped():
 
 def test_recheck_must_be_positive():
     with pytest.raises(ValueError, match="recheck_s"):
-        SlotWaiters(recheck_s=0)
+        SlotWaiters(Slots(0).has_slot, recheck_s=0)
 
 
 async def test_a_slot_freed_from_another_thread_wakes_the_waiter_on_its_loop():
     import threading
 
-    waiters, slots, order = SlotWaiters(recheck_s=10), Slots(0), []
+    slots, order = Slots(0), []
+    waiters = SlotWaiters(slots.has_slot, recheck_s=10)
     task = asyncio.create_task(take_when_free(waiters, slots, order, 0))
     await asyncio.sleep(0.01)
     slots.free = 1
@@ -108,9 +114,10 @@ async def test_a_slot_freed_from_another_thread_wakes_the_waiter_on_its_loop():
 
 
 async def test_a_waiter_gives_up_at_a_recheck_without_a_slot_being_freed():
-    waiters, slots = SlotWaiters(recheck_s=0.02), Slots(0)
+    slots = Slots(0)
+    waiters = SlotWaiters(slots.has_slot, recheck_s=0.02)
     gave_up = {"now": False}
-    task = asyncio.create_task(waiters.wait_until(slots.has_slot, give_up=lambda: gave_up["now"]))
+    task = asyncio.create_task(waiters.wait_until(give_up=lambda: gave_up["now"]))
     await asyncio.sleep(0.05)
     assert len(waiters) == 1 and not task.done()
     gave_up["now"] = True
