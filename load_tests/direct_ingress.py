@@ -30,6 +30,10 @@ from load_tests.overlay import OverlayError, add_set_argument, load_serve_config
 from load_tests.serve_runner import http_host, llm_lanes_application
 
 ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+# Ray's HAProxy front door: HAProxy takes http_options.port in place of Serve's Python proxy and forwards to the
+# Router replicas' own ports (it needs direct ingress). It also listens on all interfaces for its statistics page
+# (8404) and Prometheus exporter (9101), which Ray's template fixes: a measurement setting, not the local default's.
+HAPROXY_ENV = {**ENV, "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 # The running session's Router replica logs (the app is named llm-lanes in every serve config).
 ROUTER_REPLICA_LOGS = "/tmp/ray/session_latest/logs/serve/replica_*_Router_*.log"
 # The controller's log names the port it gave each replica. Read when a replica's own log is silent: with

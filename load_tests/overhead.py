@@ -15,7 +15,9 @@
 
     With --direct-ingress the app is started with Ray Serve's direct ingress (load_tests/direct_ingress.py) and a
     third path alternates with the two: the Router replicas' own HTTP ports, without the proxy hop (the proxy keeps
-    answering on its port, so all three paths are measured on one running app).
+    answering on its port, so all three paths are measured on one running app). With --haproxy (implies
+    --direct-ingress) Ray's HAProxy front door answers on the proxy's port instead of Serve's Python proxy
+    (load_tests/direct_ingress.py: HAPROXY_ENV), and "the proxy" in the report is HAProxy.
 (c) Request-rate ceiling (with --rate-concurrency): in the tracing-off run, non-streamed /v1/completions of a short
     prompt and max_tokens 1 through the Router at each closed-loop concurrency given; requests/s and E2E per level.
     With --direct-ingress each level runs on both ingress paths (proxy, then the replicas' ports).
@@ -279,11 +281,16 @@ def _p50_p99(distribution: dict[str, Any]) -> str:
     return f"{_num(distribution['p50'])} / {_num(distribution['p99'])}"
 
 
-def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False) -> list[str]:
+def front_door(settings: dict[str, Any]) -> str:
+    """What answers on http_options.port in this run."""
+    return "HAProxy" if settings.get("haproxy") else "the HTTP proxy"
+
+
+def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False, front: str = "the HTTP proxy") -> list[str]:
     if not rate:
         return []
     path = ("the Router replicas' own ports (direct ingress, no proxy)" if direct
-            else "the HTTP proxy and the Router")
+            else f"{front} and the Router")
     lines = ["## Request-rate ceiling" + (", direct ingress" if direct else ""), "",
              f"Non-streamed /v1/completions, short prompt, max_tokens 1, through {path}; closed "
              "loop at each concurrency. Client CPU = the load generator's CPU seconds per wall second (near 1.0: the "
@@ -306,7 +313,8 @@ def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False) -> li
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    return "\n".join([render_overheads(report), *render_rate_ceiling(report.get("rate_ceiling")),
+    front = front_door(report["settings"])
+    return "\n".join([render_overheads(report), *render_rate_ceiling(report.get("rate_ceiling"), front=front),
                       *render_rate_ceiling(report.get("rate_ceiling_direct"), direct=True)])
 
 
@@ -366,7 +374,8 @@ def render_overheads(report: dict[str, Any]) -> str:
         "| path | requests (ok) | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | errors |",
         "|---|---|---|---|---|",
     ]
-    rows = [("Router: HTTP /v1/completions via the proxy", http)]
+    front = "HAProxy" if settings.get("haproxy") else "the proxy"
+    rows = [(f"Router: HTTP /v1/completions via {front}", http)]
     if overhead.get("direct"):
         rows.append(("Router: HTTP /v1/completions, direct ingress", overhead["direct"]))
     rows.append(("HotLane handle, direct", handle))
@@ -374,7 +383,7 @@ def render_overheads(report: dict[str, Any]) -> str:
         errors = ", ".join(f"{k}: {v}" for k, v in summary["errors"].items()) or "none"
         lines.append(f"| {title} | {summary['requests']} ({summary['ok']}) | {_p50_p99(summary['ttft_ms'])} | "
                      f"{_p50_p99(summary['e2e_ms'])} | {errors} |")
-    lines.append(f"| **Router overhead** via the proxy (difference) | | **{_delta(diff['ttft_p50_ms'])}** / "
+    lines.append(f"| **Router overhead** via {front} (difference) | | **{_delta(diff['ttft_p50_ms'])}** / "
                  f"{_delta(diff['ttft_p99_ms'])} | {_delta(diff['e2e_p50_ms'])} / {_delta(diff['e2e_p99_ms'])} | |")
     if overhead.get("direct_difference_ms"):
         direct = overhead["direct_difference_ms"]
@@ -406,6 +415,7 @@ class Settings:
     rate_concurrency: list[int] = field(default_factory=list)
     rate_requests: int = 2000
     direct_ingress: bool = False
+    haproxy: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -626,7 +636,8 @@ def run_variant(settings: Settings, base_config: dict[str, Any], variant: Tracin
     app = ServedApp(url, settings.out_dir / f"serve-{variant.name}.log", default_start_command(str(config_path)),
                     stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
                     ready_timeout_s=settings.ready_timeout_s,
-                    env=direct_ingress.ENV if settings.direct_ingress else None)
+                    env=(direct_ingress.HAPROXY_ENV if settings.haproxy
+                         else direct_ingress.ENV if settings.direct_ingress else None))
     _log(f"{variant.name}: starting `serve run {config_path}` (log: {app.log_path})")
     try:
         app.start()
@@ -707,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--direct-ingress", action="store_true",
                         help="start the app with Ray Serve's direct ingress and also measure the Router replicas' own "
                              "ports (Router overhead and request-rate ceiling)")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="start the app with Ray's HAProxy front door in place of Serve's HTTP proxy on its port "
+                             "(RAY_SERVE_ENABLE_HA_PROXY=1); implies --direct-ingress")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait until the app and every lane answer")
@@ -728,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(described, Path(args.out), args.requests, args.concurrency, args.warmup,
                         args.max_tokens, args.prompt_words, args.rounds, args.seed, args.ready_timeout,
                         args.variant or list(TRACING_VARIANTS), rate_concurrency, args.rate_requests,
-                        args.direct_ingress)
+                        args.direct_ingress or args.haproxy, args.haproxy)
     llm_lanes_application(base_config)  # fail before starting anything
     settings.out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -20,7 +20,9 @@ a flame graph per process (`profile/<target>-<process>.svg`) and the functions w
 With `--direct-ingress`, each app is started with Ray Serve's direct ingress (load_tests/direct_ingress.py) and
 measured twice on the same running app: through the HTTP proxy (target `app-…`), then on the Router replica's own
 port, without the proxy hop (target `app-…-direct`; a config of one Router replica, since the benchmark client
-sends to one URL). Direct ingress is a cluster setting, not a serve-config key (docs/operators.md).
+sends to one URL). Direct ingress is a cluster setting, not a serve-config key (docs/operators.md). With
+`--haproxy` (implies `--direct-ingress`), Ray's HAProxy front door answers on the proxy's port in place of Serve's
+Python proxy (load_tests/direct_ingress.py: HAPROXY_ENV); that target is named `app-…-haproxy`.
 
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
 p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
@@ -304,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     parser.add_argument("--direct-ingress", action="store_true",
                         help="start each app with Serve's direct ingress and measure it also on the Router's own port")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="Ray's HAProxy front door in place of Serve's HTTP proxy on its port; implies "
+                             "--direct-ingress")
     args = parser.parse_args(argv)
+    args.direct_ingress = args.direct_ingress or args.haproxy
+    app_env = direct_ingress.HAPROXY_ENV if args.haproxy else direct_ingress.ENV if args.direct_ingress else {}
 
     from load_tests.overload import derived_config
     from load_tests.overlay import load_serve_config
@@ -348,14 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             served = ServedApp(url, out / f"{name}.log", start_command=default_start_command(str(config_path)),
                                stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
                                ready_timeout_s=args.ready_timeout,
-                               env={**checkout_env(), **(direct_ingress.ENV if args.direct_ingress else {})})
+                               env={**checkout_env(), **app_env})
         _log(f"starting {name}")
         measured: list[tuple[str, list[dict], dict[str, Any] | None]] = []
         try:
             served.start()
             _log(f"{name} ready after {served.wait_ready():.0f} s")
-            measured.append((name, *_measure(name, url, model, tokenizer, args, out,
-                                             profile=args.profile and "document" in step)))
+            front_name = f"{name}-haproxy" if args.haproxy and "document" in step else name
+            measured.append((front_name, *_measure(front_name, url, model, tokenizer, args, out,
+                                                   profile=args.profile and "document" in step)))
             if args.direct_ingress and "document" in step:
                 direct_url = direct_ingress.router_urls(step["document"], [served.log_path])
                 _log(f"{name}: direct ingress at {direct_url}")

@@ -282,8 +282,10 @@ def test_measure_rate_ceiling_against_the_fake_server():
     assert "## Request-rate ceiling" in markdown and "**Ceiling:" in markdown
 
 
-def test_markdown_with_the_direct_ingress_path():
-    settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 4, 16, 16, 2, 7, 600.0, direct_ingress=True)
+@pytest.mark.parametrize("haproxy", [False, True])
+def test_markdown_with_the_direct_ingress_path(haproxy):
+    settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 4, 16, 16, 2, 7, 600.0, direct_ingress=True,
+                        haproxy=haproxy)
     off = _run("tracing-off", 10.0, 100.0)
     http, direct = _summary(1, (30, 60), (12, 40)), _summary(1, (28, 55), (11, 35))
     handle = _summary(1, (25, 50), (10, 30))
@@ -299,6 +301,9 @@ def test_markdown_with_the_direct_ingress_path():
     assert "| Router: HTTP /v1/completions, direct ingress | 10 (10) | 11 / 35 |" in markdown
     assert "| **Router overhead**, direct ingress (difference) | | **+1.0** / +5.0 |" in markdown
     assert "## Request-rate ceiling, direct ingress" in markdown and "**Ceiling: 600.0 req/s**" in markdown
+    front = "HAProxy" if haproxy else "the proxy"
+    assert f"| Router: HTTP /v1/completions via {front} | 10 (10) | 12 / 40 |" in markdown
+    assert f"through {'HAProxy' if haproxy else 'the HTTP proxy'} and the Router;" in markdown
     for table in markdown.split("\n\n"):
         rows = [line for line in table.splitlines() if line.startswith("|")]
         assert len({row.count("|") for row in rows}) <= 1, table
