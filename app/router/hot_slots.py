@@ -14,10 +14,10 @@ token (a burst slows prefill before any slow start has finished and been recorde
 still await their first token: a newcomer's prefill queues behind theirs, so its start is counted as one recent
 start's cost per request ahead of it (each recent start's time divided by the starts it queued behind, plus one).
 
-Tenants: while another tenant has used these slots within the last `TENANT_ACTIVE_S`, one tenant holds at most all
-but one of them, so a flood of one tenant leaves a slot that another's next request takes at once (rather than after
-the flood's next finish, which under a flood of long answers came hundreds of milliseconds apart). With one tenant
-in sight every slot is its own.
+Tenants: while another tenant waits for these slots or has used them within the last `TENANT_ACTIVE_S`, one tenant
+holds at most all but one of them, so a flood of one tenant leaves a slot that another's next request takes at once
+(rather than after the flood's next finish, which under a flood of long answers came hundreds of milliseconds
+apart). With one tenant in sight every slot is its own.
 """
 
 from __future__ import annotations
@@ -60,11 +60,13 @@ class LaneSlots:
         return len(self._waiters)
 
     def cap(self, tenant: str) -> int:
-        """Slots `tenant` may hold: all but one while another tenant is active here (limit permitting), else all."""
+        """Slots `tenant` may hold: all but one while another tenant waits here or took a slot lately (limit
+        permitting), else all."""
         if self.limit < 2:
             return self.limit
         since = self.clock() - TENANT_ACTIVE_S
-        others = any(other != tenant and taken >= since for other, taken in self._last_take_by.items())
+        others = (any(other != tenant for other in self._waiters.waiting_tenants())
+                  or any(other != tenant and taken >= since for other, taken in self._last_take_by.items()))
         return self.limit - 1 if others else self.limit
 
     def may_take(self, tenant: str) -> bool:
@@ -147,8 +149,8 @@ class LaneSlots:
 
     def take(self, awaits_first_token: bool = False, tenant: str = DEFAULT_TENANT) -> int:
         """Take a slot now for `tenant` (the caller checked free() or was granted one); returns the token for
-        release(). `awaits_first_token`: the holder reports its first token (first_token()), so its wait for it counts in
-        start_latency_s() (a streamed request; a collected answer's first chunk is its whole answer)."""
+        release(). `awaits_first_token`: the holder reports its first token (first_token()), so its wait for it
+        counts in start_latency_s() (a streamed request; a collected answer's first chunk is its whole answer)."""
         token = self._next_token
         self._next_token += 1
         now = self.clock()

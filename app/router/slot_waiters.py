@@ -58,6 +58,10 @@ class SlotWaiters:
     def waiting_by_tenant(self) -> dict[str, int]:
         return {tenant: sum(not w.done() for w in queue) for tenant, queue in self._queues.items()}
 
+    def waiting_tenants(self) -> list[str]:
+        """Tenants with a request in line or woken and not yet back."""
+        return list(self._waiting_tenants)
+
     def served_first(self) -> bool:
         """Some request waiting (in line or woken) may take a slot now: it goes before any newcomer."""
         return any(self.can_take(tenant) for tenant in self._waiting_tenants)

@@ -169,3 +169,20 @@ def test_a_freed_slot_skips_a_tenant_at_its_cap_for_the_next_that_may_take_it():
         return order
 
     assert asyncio.run(run()) == ["b0", "a0", "a1"]
+
+
+def test_a_tenant_waiting_for_a_slot_counts_as_active_so_the_next_freed_slot_is_its_own():
+    async def run():
+        slots = LaneSlots(limit=3, clock=FakeClock())
+        flood = [slots.take(tenant="a") for _ in range(3)]  # A alone: every slot its own
+        order = []
+        tasks = await queue_requests(slots, "a", 2, order) + await queue_requests(slots, "b", 1, order)
+        slots.release(flood.pop())  # A, waiting first, is at its cap now that B waits: the slot is B's
+        await asyncio.sleep(0.01)
+        assert order == ["b0"]
+        for token in flood:
+            slots.release(token)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run()) == ["b0", "a0", "a1"]
