@@ -90,9 +90,26 @@ def describe(outcomes: list[Outcome]) -> list[tuple]:
     return [(o.kind, o.status, o.replica, o.error[:200]) for o in outcomes][:10]
 
 
+async def flex_reaches_every_cold_replica(client: httpx.AsyncClient, url: str, model: str,
+                                          timeout_s: float = 90) -> set[str]:
+    """Rounds of concurrent short flex requests until their answers name COLD_REPLICAS different cold replicas (a
+    Router's handle learns a replica some time after Serve reports it running); the replicas seen."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < COLD_REPLICAS and time.monotonic() < deadline:
+        answers = await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
+            "model": model, "prompt": f"warm {i}", "max_tokens": 32, "ignore_eos": True, "service_tier": "flex"})
+            for i in range(2 * COLD_REPLICAS)))
+        seen |= {a.headers.get("x-llm-lanes-replica", "") for a in answers if a.status_code == 200} - {""}
+    return seen
+
+
 async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, served_model):
     load = Load(lane_loss_app.url, served_model, flex_tokens=600)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30)) as client:
+        # The kill must hit a replica with load on it, and the other must be known to take the load over.
+        warmed = await flex_reaches_every_cold_replica(client, lane_loss_app.url, served_model)
+        assert len(warmed) == COLD_REPLICAS, f"flex requests reached only {sorted(warmed)}"
         workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
         workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
         kill_sent_at, killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane")[1],
