@@ -45,7 +45,6 @@ class SlotWaiters:
         self._queues: dict[str, deque[asyncio.Future]] = {}
         self._turns: deque[str] = deque()  # tenants with a queue, the next to be served first
         self._served_this_turn = 0  # slots the tenant at the front of _turns has taken on its current turn
-        self._waiting = 0
         # Requests in line or woken and not yet back from wait_until(), per tenant.
         self._waiting_tenants: Counter[str] = Counter()
         self.peak_waiting = 0
@@ -53,7 +52,7 @@ class SlotWaiters:
 
     def __len__(self) -> int:
         """Requests waiting now."""
-        return self._waiting
+        return sum(self._waiting_tenants.values())
 
     def waiting_by_tenant(self) -> dict[str, int]:
         return {tenant: sum(not w.done() for w in queue) for tenant, queue in self._queues.items()}
@@ -94,9 +93,8 @@ class SlotWaiters:
         loop = self._loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._enqueue(tenant, waiter)
-        self._waiting += 1
         self._waiting_tenants[tenant] += 1
-        self.peak_waiting = max(self.peak_waiting, self._waiting)
+        self.peak_waiting = max(self.peak_waiting, len(self))
         try:
             while True:
                 try:
@@ -120,7 +118,6 @@ class SlotWaiters:
                 self.notify_one()  # woken but gone: hand the wake-up on
             raise
         finally:
-            self._waiting -= 1
             self._waiting_tenants[tenant] -= 1
             if not self._waiting_tenants[tenant]:
                 del self._waiting_tenants[tenant]
