@@ -11,6 +11,7 @@ pytest_collection_modifyitems only groups modules by app (named by `pytest.mark.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -91,17 +93,49 @@ def write_serve_config(path: Path, document: dict) -> Path:
     return path
 
 
-def kill_the_only_replica(deployment: str) -> None:
-    """Kill the one replica actor of `deployment` (no restart of that actor: Serve must replace it)."""
-    import ray
+@dataclass(frozen=True)
+class KilledReplica:
+    name: str  # the actor's name, SERVE_REPLICA::<app>#<deployment>#<replica id>
+    sent_at: float  # time.monotonic() just before ray.kill
+    killed_at: float  # and when it returned
 
-    ray.init(address="auto", logging_level="ERROR")
-    try:
-        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if deployment in a["name"]]
-        assert len(actors) == 1, actors
-        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
-    finally:
-        ray.shutdown()
+
+class ReplicaKiller:
+    """A process connected to the cluster (tests/integration/replica_kill.py) that kills one replica of `deployment`
+    when `kill()` is called: its only one (`only`), else the one named or the first by name of two or more.
+    Connecting takes seconds to minutes on a busy host; the kill, once connected, milliseconds."""
+
+    def __init__(self, deployment: str, *, only: bool):
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.replica_kill", deployment,
+             "--only" if only else "--one-of-several"],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._next_json()
+        if ready is None:
+            self._process.wait(timeout=60)
+            raise AssertionError(f"the replica killer for {deployment} exited ({self._process.returncode})")
+        self.replicas: list[str] = ready["ready"]
+
+    def _next_json(self) -> dict | None:
+        """The killer's next JSON line (past anything else a library printed); None once it exited."""
+        for line in self._process.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    def kill(self, name: str = "") -> KilledReplica:
+        assert not name or name in self.replicas, (name, self.replicas)
+        self._process.stdin.write(f"{name}\n")
+        self._process.stdin.flush()
+        killed = self._next_json()
+        assert killed, f"the replica killer exited ({self._process.wait()}) without killing {name or self.replicas[0]}"
+        self._process.wait(timeout=60)
+        return KilledReplica(**killed)
+
+
+def kill_replica(deployment: str, *, only: bool) -> KilledReplica:
+    """Kill one replica of `deployment` now (ReplicaKiller)."""
+    return ReplicaKiller(deployment, only=only).kill()
 
 
 def write_shared_test_config(tmp_dir: Path, tiny_model: Path) -> Path:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import kill_the_only_replica, orphaned_engine_processes, router_stats, wait_until
+from tests.integration.conftest import kill_replica, orphaned_engine_processes, router_stats, wait_until
 from tests.integration.test_batch_api import batch_lines, wait_for_batch
 
 pytestmark = pytest.mark.disrupts_app
@@ -80,8 +80,7 @@ def test_killing_the_cold_replica_mid_batch_loses_nothing(app_url, openai_client
                       timeout_s=120)
     with FlexClients(app_url, served_model) as flex:
         time.sleep(2)
-        killed_at = time.monotonic()
-        kill_the_only_replica("ColdLane")
+        killed_at = kill_replica("ColdLane", only=True).killed_at
         _while_the_cold_replica_is_replaced(app_url, openai_client, served_model, batch)
     # Flex requests waited for the cold lane (routing rule 6a) or were started again after the loss: none failed.
     failed = [outcome for outcome in flex.outcomes if outcome[2] != 200]

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import orphaned_engine_processes, wait_until, write_serve_config, \
-    write_shared_test_config
+from tests.integration.conftest import KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until, \
+    write_serve_config, write_shared_test_config
 from tests.integration.test_lifecycle import DASHBOARD, Load, Outcome
 
 pytestmark = [pytest.mark.app("lane-loss"), pytest.mark.disrupts_app]
@@ -56,34 +56,37 @@ def lane_loss_app(apps):
     return apps.use("lane-loss", write_lane_loss_config, ready=all_replicas_running)
 
 
-def kill_one_replica(deployment: str) -> tuple[str, tuple[float, float]]:
-    """Kill one replica actor of `deployment` (no restart of that actor: Serve replaces it); its name and the
-    kill's moments, just before `ray.kill` and when it returned (connecting to the cluster first takes seconds on a
-    busy host, so neither is taken before that)."""
-    import ray
-
-    ray.init(address="auto", logging_level="ERROR")
-    try:
-        actors = sorted((a for a in ray.util.list_named_actors(all_namespaces=True)
-                         if f"#{deployment}#" in a["name"]), key=lambda a: a["name"])
-        assert len(actors) >= 2, actors
-        victim = ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
-        sent_at = time.monotonic()
-        ray.kill(victim, no_restart=True)
-        return actors[0]["name"], (sent_at, time.monotonic())
-    finally:
-        ray.shutdown()
+def in_flight(load: Load, kind: str, since: float = 0.0, for_s: float = 1.0) -> bool:
+    """A request of `kind` sent at `since` or later has been in flight for `for_s` or more."""
+    now = time.monotonic()
+    return any(o.kind == kind and not o.ended and o.started >= since and now - o.started >= for_s
+               for o in load.outcomes)
 
 
-async def run_load_around(load: Load, workers: list, kill, settle_s: float, after_s: float):
-    """Run the load for `settle_s`, kill (a call returning the kill's moments), keep it running `after_s`, stop it;
-    what the kill returned."""
+def last_answered(load: Load, kind: str) -> Outcome | None:
+    """The latest finished request of `kind` that names its replica (x-llm-lanes-replica)."""
+    answered = [o for o in load.outcomes if o.kind == kind and o.finished and o.replica]
+    return max(answered, key=lambda o: o.ended) if answered else None
+
+
+async def run_load_around(load: Load, workers: list, killer: ReplicaKiller, kind: str, settle_s: float,
+                          after_s: float, by_last_answer: bool = False) -> KilledReplica:
+    """Run the load for `settle_s`, then kill once a request of `kind` is in flight (with `by_last_answer`: the
+    replica that answered the latest one, once a request sent after that answer is in flight; else the killer's
+    first), keep the load running `after_s`, stop it; the kill."""
     await asyncio.sleep(settle_s)
-    kill_result = await asyncio.to_thread(kill)
+    deadline = time.monotonic() + 120
+    while True:
+        last = last_answered(load, kind) if by_last_answer else None
+        if (last is not None or not by_last_answer) and in_flight(load, kind, since=last.ended if last else 0.0):
+            break
+        assert time.monotonic() < deadline, f"no {kind} request in flight to kill under for 120 s"
+        await asyncio.sleep(0.1)
+    kill = await asyncio.to_thread(killer.kill, last.replica if last else "")
     await asyncio.sleep(after_s)
     load.stop.set()
     await asyncio.gather(*workers)
-    return kill_result
+    return kill
 
 
 def describe(outcomes: list[Outcome]) -> list[tuple]:
@@ -110,17 +113,19 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
         # The kill must hit a replica with load on it, and the other must be known to take the load over.
         warmed = await flex_reaches_every_cold_replica(client, lane_loss_app.url, served_model)
         assert len(warmed) == COLD_REPLICAS, f"flex requests reached only {sorted(warmed)}"
+        killer = await asyncio.to_thread(ReplicaKiller, "ColdLane", only=False)
         workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
         workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
-        kill_sent_at, killed_at = await run_load_around(load, workers, lambda: kill_one_replica("ColdLane")[1],
-                                                        settle_s=8, after_s=25)
+        # The prefix cache's affinity can keep every flex request on one replica: the one answering is killed.
+        kill = await run_load_around(load, workers, killer, "flex", settle_s=8, after_s=25, by_last_answer=True)
     flex = [o for o in load.outcomes if o.kind == "flex"]
     cold_replicas = {o.replica for o in flex if o.replica}
-    across = [o for o in flex if o.started < killed_at and o.ended > kill_sent_at]
+    across = [o for o in flex if o.started < kill.killed_at and o.ended > kill.sent_at]
     failed = [o for o in load.outcomes if not o.finished]
     print(f"cold replica killed: {len(load.outcomes)} requests, {len(flex)} flex ({len(across)} in flight at the "
-          f"kill) on replicas {sorted(cold_replicas)}, {len(failed)} failed")
-    assert len(cold_replicas) >= 2, "the flex load did not reach both cold replicas"
+          f"kill) on replicas {sorted(cold_replicas)}, {len(failed)} failed; flex (sent, ended) in s from the kill: "
+          f"{[(round(o.started - kill.sent_at, 1), round(o.ended - kill.sent_at, 1)) for o in flex]}")
+    assert kill.name in cold_replicas, (kill.name, cold_replicas)
     assert across, "no flex request was in flight at the kill: make them longer"
     assert not failed, describe(failed)
     assert wait_until(lambda: not orphaned_engine_processes(), timeout_s=30), orphaned_engine_processes()
@@ -131,24 +136,24 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
 async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lane_loss_app, served_model):
     assert wait_until(lambda: all_replicas_running(lane_loss_app), timeout_s=240)
     load = Load(lane_loss_app.url, served_model)
+    killer = ReplicaKiller("Router", only=False)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30)) as client:
         workers = [asyncio.create_task(load.stream_forever(client, i)) for i in range(6)]
-        killed_name, (kill_sent_at, killed_at) = await run_load_around(
-            load, workers, lambda: kill_one_replica("Router"), settle_s=6, after_s=15)
-    killed = killed_name.rsplit("#", 1)[-1]  # SERVE_REPLICA::app#Router#<unique id>, as x-llm-lanes-router names it
+        kill = await run_load_around(load, workers, killer, "stream", settle_s=6, after_s=15)
+    killed = kill.name.rsplit("#", 1)[-1]  # SERVE_REPLICA::app#Router#<unique id>, as x-llm-lanes-router names it
     # In flight while the kill was under way (between ray.kill's call and its return: the replica may die anywhere in
     # it, and on a busy host the call can take seconds).
-    across = [o for o in load.outcomes if o.started < killed_at and o.ended > kill_sent_at]
+    across = [o for o in load.outcomes if o.started < kill.killed_at and o.ended > kill.sent_at]
     # A request sent after the kill may still reach the dead replica before the proxy takes it out of rotation (its
     # first error does): a second after the kill, none may.
-    after = [o for o in load.outcomes if o.started > killed_at + 1]
+    after = [o for o in load.outcomes if o.started > kill.killed_at + 1]
     failed = [o for o in load.outcomes if not o.finished]
     routers = sorted({o.router for o in load.outcomes if o.router})
     print(f"Router replica {killed} killed: {len(load.outcomes)} streams, {len(across)} in flight at the kill "
           f"({sum(o.router == killed for o in across)} on it), {len(failed)} failed "
           f"({[o.error[:80] for o in failed]}); Routers that answered: {routers}")
     assert after and all(o.finished for o in after), describe([o for o in after if not o.finished])
-    at_or_after = {id(o) for o in load.outcomes if o.started >= kill_sent_at}
+    at_or_after = {id(o) for o in load.outcomes if o.started >= kill.sent_at}
     assert {id(o) for o in failed} <= {id(o) for o in across} | at_or_after, describe(failed)
     # Streams on the other Router replica carried on: the kill cut at most the ones the dead replica held (which
     # streams each replica holds is the proxy's choice; every stream says which one answered it).

@@ -22,7 +22,7 @@ import pytest
 from load_tests.overload import retry_after_s
 from tests.integration.conftest import (
     AppProcess,
-    kill_the_only_replica,
+    kill_replica,
     local_test_document,
     wait_until,
     write_serve_config,
@@ -190,7 +190,7 @@ async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, s
     async with httpx.AsyncClient(timeout=120) as client:
         requests = [asyncio.ensure_future(one(client, i)) for i in range(24)]
         await asyncio.sleep(0.5)
-        kill_the_only_replica("PrefixCache")
+        await asyncio.to_thread(kill_replica, "PrefixCache", only=True)
         later = [asyncio.ensure_future(one(client, 100 + i)) for i in range(8)]
         statuses = await asyncio.gather(*requests, *later)
     assert statuses == [200] * 32, (statuses, refusals)
@@ -200,7 +200,7 @@ async def test_killing_the_prefix_cache_mid_load_fails_no_request(scaling_app, s
     # Again with no traffic at all: no KV event flows, and the replicas' periodic stats push (which answers with the
     # PrefixCache's epoch) is what tells them to resync.
     epoch = stats(url)["prefix_cache"]["epoch"]
-    kill_the_only_replica("PrefixCache")
+    kill_replica("PrefixCache", only=True)
     assert wait_until(lambda: stats(url)["prefix_cache"].get("epoch", epoch) != epoch, timeout_s=60)
     assert wait_until(lambda: stats(url)["prefix_cache"].get("entries", 0) > 0, timeout_s=30)
 
