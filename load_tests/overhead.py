@@ -23,7 +23,8 @@
     With --direct-ingress each level runs on both ingress paths (proxy, then the replicas' ports).
     The highest requests/s is the ceiling of the path (HTTP proxy + Router + one lane call) on that host, unless the
     load generator itself was the limit: its CPU use (process CPU seconds / wall seconds) is reported per level, and
-    a value near 1.0 means the one-process client, not the app, saturated.
+    a value near 1.0 means the client, not the app, saturated. --rate-clients N spreads each level over N client
+    processes (the busiest one's CPU is reported).
 
 Outputs in --out: report.json (settings, summaries, every request's record), report.md (the tables), the derived
 serve configs and their `serve run` logs. Run it from the repository root, as `load_tests.run`.
@@ -293,13 +294,13 @@ def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False, front
             else f"{front} and the Router")
     lines = ["## Request-rate ceiling" + (", direct ingress" if direct else ""), "",
              f"Non-streamed /v1/completions, short prompt, max_tokens 1, through {path}; closed "
-             "loop at each concurrency. Client CPU = the load generator's CPU seconds per wall second (near 1.0: the "
-             "client, not the app, was the limit).", "",
-             "| concurrency | requests (ok) | req/s | E2E p50 / p99 (ms) | client CPU | errors |",
-             "|---|---|---|---|---|---|"]
+             "loop at each concurrency, shared by the client processes. Client CPU = the busiest load-generator "
+             "process's CPU seconds per wall second (near 1.0: the client, not the app, was the limit).", "",
+             "| concurrency | client processes | requests (ok) | req/s | E2E p50 / p99 (ms) | client CPU | errors |",
+             "|---|---|---|---|---|---|---|"]
     for level in rate["levels"]:
         errors = ", ".join(f"{k}: {v}" for k, v in level["errors"].items()) or "none"
-        lines.append(f"| {level['concurrency']} | {level['requests']} ({level['ok']}) | "
+        lines.append(f"| {level['concurrency']} | {level.get('clients', 1)} | {level['requests']} ({level['ok']}) | "
                      f"{_num(level['requests_per_s'], 1)} | {_p50_p99(level['e2e_ms'])} | "
                      f"{_num(level['client_cpu_per_wall_s'], 2)} | {errors} |")
     ceiling = rate["ceiling"]
@@ -416,6 +417,7 @@ class Settings:
     rate_requests: int = 2000
     direct_ingress: bool = False
     haproxy: bool = False
+    rate_clients: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -588,25 +590,94 @@ def measure_router_overhead_isolated(timeout_s: float, *args) -> dict[str, Any]:
     return value
 
 
+@dataclass(frozen=True)
+class RateJob:
+    """One load-generator process's share of a rate level."""
+
+    url: str
+    model: str
+    seed: int
+    prompt_words: int
+    phase: str
+    warmup: int
+    requests: int
+    concurrency: int
+    first_index: int
+
+
+def run_rate_job(job: RateJob, barrier: Any = None) -> tuple[list[RequestRecord], float, float]:
+    """Warm-up, then (after `barrier`, where several processes share a level) the measured requests: the records,
+    the wall seconds and the CPU seconds this process spent on them."""
+    def spec(index: int) -> RequestSpec:
+        return http_request(index, prompt_text(job.seed, index, job.prompt_words), model=job.model,
+                            endpoint="completions", streaming=False, max_tokens=1, phase=job.phase)
+
+    if job.warmup:
+        asyncio.run(http_phase(job.url, spec, job.warmup, job.concurrency,
+                               PHASE_INDEX_BASE["warmup"] + 500_000 + job.first_index))
+    if barrier is not None:
+        barrier.wait(timeout=REQUEST_TIMEOUT_S)
+    cpu_before = time.process_time()
+    records, wall_s = asyncio.run(http_phase(job.url, spec, job.requests, job.concurrency, job.first_index))
+    return records, wall_s, time.process_time() - cpu_before
+
+
+def _rate_client_process(job: RateJob, barrier: Any, results: Any) -> None:
+    try:
+        results.put(("ok", run_rate_job(job, barrier)))
+    except BaseException as error:  # the parent reports it; a child's traceback alone is easy to miss
+        results.put(("error", f"{type(error).__name__}: {error}"))
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` in `parts` shares that differ by at most one."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def run_rate_level(jobs: list[RateJob]) -> tuple[list[RequestRecord], float, float]:
+    """The jobs at once, one process each (one job: in this process): every record, the longest wall time, and the
+    busiest process's CPU seconds per wall second."""
+    if len(jobs) == 1:
+        records, wall_s, cpu_s = run_rate_job(jobs[0])
+        return records, wall_s, cpu_s / wall_s if wall_s > 0 else 0.0
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(len(jobs)), context.Queue()
+    processes = [context.Process(target=_rate_client_process, args=(job, barrier, results), daemon=True)
+                 for job in jobs]
+    for process in processes:
+        process.start()
+    answers = [results.get(timeout=REQUEST_TIMEOUT_S * 4) for _ in jobs]
+    for process in processes:
+        process.join(timeout=30)
+    errors = [value for kind, value in answers if kind != "ok"]
+    if errors:
+        raise RuntimeError(f"a load-generator process failed: {errors[0]}")
+    records = [record for _, (chunk, _, _) in answers for record in chunk]
+    walls = [wall_s for _, (_, wall_s, _) in answers]
+    busiest = max(cpu_s / wall_s for _, (_, wall_s, cpu_s) in answers if wall_s > 0)
+    return records, max(walls), busiest
+
+
 def measure_rate_ceiling(settings: Settings, url: str, model: str, phase: str = "rate") -> dict[str, Any]:
-    """Short non-streamed completions (max_tokens 1) at each concurrency level: the path's request-rate ceiling."""
+    """Short non-streamed completions (max_tokens 1) at each concurrency level, spread over `rate_clients`
+    load-generator processes: the path's request-rate ceiling."""
     levels = []
     for level, concurrency in enumerate(settings.rate_concurrency):
-        def spec(index: int) -> RequestSpec:
-            return http_request(index, prompt_text(settings.seed, index, settings.prompt_words), model=model,
-                                endpoint="completions", streaming=False, max_tokens=1, phase=phase)
-
+        clients = min(settings.rate_clients, concurrency)
         first = PHASE_INDEX_BASE[phase] + level * settings.rate_requests
-        asyncio.run(http_phase(url, spec, min(settings.warmup, settings.rate_requests), concurrency,
-                               PHASE_INDEX_BASE["warmup"] + 500_000))
-        cpu_before = time.process_time()
-        records, wall_s = asyncio.run(http_phase(url, spec, settings.rate_requests, concurrency, first))
-        client_cpu = (time.process_time() - cpu_before) / wall_s if wall_s > 0 else None
+        warmups = split(min(settings.warmup, settings.rate_requests), clients)
+        requests, concurrencies = split(settings.rate_requests, clients), split(concurrency, clients)
+        jobs = [RateJob(url, model, settings.seed, settings.prompt_words, phase, warmups[i], requests[i],
+                        concurrencies[i], first + sum(requests[:i])) for i in range(clients)]
+        records, wall_s, client_cpu = run_rate_level(jobs)
         summary = phase_summary(records, wall_s)
-        levels.append({"concurrency": concurrency, "client_cpu_per_wall_s": client_cpu,
+        levels.append({"concurrency": concurrency, "clients": clients, "client_cpu_per_wall_s": client_cpu,
                        **{k: summary[k] for k in ("requests", "ok", "errors", "wall_s", "requests_per_s", "e2e_ms")}})
-        _log(f"  rate at concurrency {concurrency}: {_num(summary['requests_per_s'], 1)} req/s, E2E p50 "
-             f"{_num(summary['e2e_ms']['p50'])} ms, client CPU {_num(client_cpu, 2)}, errors {summary['errors'] or 'none'}")
+        _log(f"  rate at concurrency {concurrency} from {clients} client process(es): "
+             f"{_num(summary['requests_per_s'], 1)} req/s, E2E p50 {_num(summary['e2e_ms']['p50'])} ms, busiest "
+             f"client's CPU {_num(client_cpu, 2)}, errors {summary['errors'] or 'none'}")
     return {"levels": levels, "ceiling": rate_ceiling(levels)}
 
 
@@ -715,6 +786,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated closed-loop concurrencies for the request-rate ceiling (e.g. 16,64,256; "
                              "default: not measured)")
     parser.add_argument("--rate-requests", type=int, default=2000, help="requests per rate-ceiling level")
+    parser.add_argument("--rate-clients", type=int, default=1,
+                        help="load-generator processes sharing each rate level's concurrency and requests (one "
+                             "Python client saturates a core at a few hundred short requests/s)")
     parser.add_argument("--direct-ingress", action="store_true",
                         help="start the app with Ray Serve's direct ingress and also measure the Router replicas' own "
                              "ports (Router overhead and request-rate ceiling)")
@@ -732,8 +806,8 @@ def main(argv: list[str] | None = None) -> int:
         rate_concurrency = [int(level) for level in args.rate_concurrency.split(",") if level.strip()]
     except ValueError:
         parser.error(f"--rate-concurrency {args.rate_concurrency!r}: give comma-separated integers, e.g. 16,64,256")
-    if any(level < 1 for level in rate_concurrency) or args.rate_requests < 1:
-        parser.error("--rate-concurrency levels and --rate-requests must be >= 1")
+    if any(level < 1 for level in rate_concurrency) or args.rate_requests < 1 or args.rate_clients < 1:
+        parser.error("--rate-concurrency levels, --rate-requests and --rate-clients must be >= 1")
     try:
         base_config = load_serve_config(args.serve_config, args.set)
     except OverlayError as error:
@@ -742,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(described, Path(args.out), args.requests, args.concurrency, args.warmup,
                         args.max_tokens, args.prompt_words, args.rounds, args.seed, args.ready_timeout,
                         args.variant or list(TRACING_VARIANTS), rate_concurrency, args.rate_requests,
-                        args.direct_ingress or args.haproxy, args.haproxy)
+                        args.direct_ingress or args.haproxy, args.haproxy, args.rate_clients)
     llm_lanes_application(base_config)  # fail before starting anything
     settings.out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -28,6 +28,7 @@ from load_tests.overhead import (
     phase_summary,
     prompt_text,
     rate_ceiling,
+    split,
     relative_change,
     render_markdown,
     router_overhead,
@@ -322,3 +323,26 @@ def test_rate_ceiling_over_two_servers_round_robin():
             box["loop"].call_soon_threadsafe(box["loop"].stop)
             thread.join(10)
     assert result["levels"][0]["ok"] == 12 and result["ceiling"]["requests_per_s"] > 0
+
+
+def test_rate_level_spread_over_client_processes():
+    """--rate-clients: the level's requests and concurrency shared by two spawned load-generator processes, their
+    records merged (each request once), the busiest process's CPU reported."""
+    box, thread = serve_fake_app_in_a_thread()
+    try:
+        settings = Settings("serve_configs/local.yaml", Path("out"), 10, 8, 3, 16, 8, 2, 7, 600.0,
+                            rate_concurrency=[5], rate_requests=13, rate_clients=2)
+        result = measure_rate_ceiling(settings, f"http://127.0.0.1:{box['port']}", "tiny-llama")
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        thread.join(10)
+    level = result["levels"][0]
+    assert (level["clients"], level["requests"], level["ok"]) == (2, 13, 13)
+    assert 0 < level["client_cpu_per_wall_s"] and level["requests_per_s"] > 0
+    markdown = render_markdown({"settings": settings.to_json(), "started_at": "t", "machine": {"cpus": 2},
+                                "tracing_runs": [], "router_overhead": None, "rate_ceiling": result})
+    assert "| 5 | 2 | 13 (13) |" in markdown
+
+
+def test_split_shares_differ_by_at_most_one():
+    assert split(13, 2) == [7, 6] and split(5, 5) == [1] * 5 and sum(split(1000, 7)) == 1000
