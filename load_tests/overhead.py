@@ -65,7 +65,7 @@ from load_tests.serve_runner import (
     llm_lanes_application,
 )
 from load_tests.stats import summarize_class
-from load_tests.workload import ClientPool
+from load_tests.workload import ClientPool, split
 
 HOT_LANE_DEPLOYMENT = "HotLane"
 # The Router-vs-handle measurement's own limit (its child process is killed past it).
@@ -627,11 +627,6 @@ def _rate_client_process(job: RateJob, barrier: Any, results: Any) -> None:
         results.put(("ok", run_rate_job(job, barrier)))
     except BaseException as error:  # the parent reports it; a child's traceback alone is easy to miss
         results.put(("error", f"{type(error).__name__}: {error}"))
-
-
-def split(total: int, parts: int) -> list[int]:
-    """`total` in `parts` shares that differ by at most one."""
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def run_rate_level(jobs: list[RateJob]) -> tuple[list[RequestRecord], float, float]:

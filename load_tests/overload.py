@@ -55,6 +55,7 @@ import yaml
 
 from load_tests.client import RequestRecord
 from load_tests.stats import distribution_ms, percentile
+from load_tests.workload import split
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 LANE_HEADER = "x-llm-lanes-lane"
@@ -150,12 +151,6 @@ def interactive_streams(explicit: int | None, multiple: float | None, capacity: 
 # --------------------------------------------------------------------------------------------------------------------
 # The workload (scenarios for load_tests.workload)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def split(total: int, parts: int) -> list[int]:
-    """`total` spread over `parts` as evenly as integers allow (earlier parts take the remainder)."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def _stream(name: str, request_class: str, arrival: dict[str, Any], duration_s: float, max_tokens: int,

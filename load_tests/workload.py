@@ -28,6 +28,13 @@ WARMUP_MAX_TOKENS = 4
 OnDone = Callable[[RequestRecord], None]
 
 
+def split(total: int, parts: int) -> list[int]:
+    """`total` spread over `parts` as evenly as integers allow (earlier parts take the remainder): requests or
+    streams over client processes."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
 def split_urls(base_url: str) -> list[str]:
     """'http://a:1, http://b:2' -> ['http://a:1', 'http://b:2']; one URL is a list of one."""
     urls = [url.strip().rstrip("/") for url in base_url.split(",") if url.strip()]

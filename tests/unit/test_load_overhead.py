@@ -28,7 +28,6 @@ from load_tests.overhead import (
     phase_summary,
     prompt_text,
     rate_ceiling,
-    split,
     relative_change,
     render_markdown,
     router_overhead,
@@ -342,7 +341,3 @@ def test_rate_level_spread_over_client_processes():
     markdown = render_markdown({"settings": settings.to_json(), "started_at": "t", "machine": {"cpus": 2},
                                 "tracing_runs": [], "router_overhead": None, "rate_ceiling": result})
     assert "| 5 | 2 | 13 (13) |" in markdown
-
-
-def test_split_shares_differ_by_at_most_one():
-    assert split(13, 2) == [7, 6] and split(5, 5) == [1] * 5 and sum(split(1000, 7)) == 1000

@@ -32,7 +32,6 @@ from load_tests.overload import (
     render_markdown,
     retry_after_s,
     run_closed_loop,
-    split,
     stats_view,
     summarize_class,
     summarize_samples,
@@ -40,6 +39,7 @@ from load_tests.overload import (
     write_report,
 )
 from load_tests.scenario import parse_scenario
+from load_tests.workload import split
 from tests.unit.test_load_report import fake_app
 
 REPO = Path(__file__).resolve().parents[2]
