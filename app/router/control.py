@@ -163,7 +163,10 @@ class TrafficControl:
         if slots is None:
             return None
         free = slots.free(tenant)
-        return HotSlotState(free, 0.0 if free else slots.predicted_wait_s(tenant=tenant) + slots.start_latency_s())
+        if free:
+            return HotSlotState(free, 0.0)
+        return HotSlotState(0, slots.predicted_wait_s(tenant=tenant) + slots.start_latency_s(),
+                            at_tenant_share=slots.at_share(tenant))
 
     def _cold_spill_room(self, waited_s: float) -> bool:
         """Room for one more spilled interactive request, whose first token the cold lane's recent start times say

@@ -17,7 +17,9 @@ start's cost per request ahead of it (each recent start's time divided by the st
 Tenants: while another tenant waits for these slots or has used them within the last `TENANT_ACTIVE_S`, one tenant
 holds at most all but one of them, so a flood of one tenant leaves a slot that another's next request takes at once
 (rather than after the flood's next finish, which under a flood of long answers came hundreds of milliseconds
-apart). With one tenant in sight every slot is its own.
+apart). With one tenant in sight every slot is its own. Not a smaller share (each active tenant its weighted part
+of the slots, the surplus to the cold lane): on a small host the surplus loads the cold engine's cores, which the
+proxy and the Routers use too, and the other tenant's first tokens come no sooner (measured on 2 cores).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class LaneSlots:
         others = (any(other != tenant for other in self._waiters.waiting_tenants())
                   or any(other != tenant and taken >= since for other, taken in self._last_take_by.items()))
         return self.limit - 1 if others else self.limit
+
+    def at_share(self, tenant: str) -> bool:
+        """`tenant` holds its share while the lane has slots free: its cap, not the lane, keeps it out."""
+        return self.in_flight < self.limit and self._held_by[tenant] >= self.cap(tenant)
 
     def may_take(self, tenant: str) -> bool:
         return self.in_flight < self.limit and self._held_by[tenant] < self.cap(tenant)
@@ -125,19 +131,24 @@ class LaneSlots:
         """Wait for a slot of a request joining the line behind `ahead` others (default: those served before a
         request of `tenant` joining now, tenants taking turns; without a tenant: all those waiting).
 
-        Slots free at about limit / hold-time per second once all are taken; with no hold time known yet (nothing
-        ever held one) the wait is taken as 0: the first burst waits for the slots it fills.
+        Slots free at about limit / hold-time per second once all are taken, and a tenant's own at cap / hold-time
+        (its own requests ahead of it pass through its share); with no hold time known yet (nothing ever held one)
+        the wait is taken as 0: the first burst waits for the slots it fills.
         """
         if ahead is None:
             ahead = self._waiters.ahead_of(tenant) if tenant is not None else self.waiting
-        if ahead == 0 and self.in_flight < self.limit:
+        if ahead == 0 and self.in_flight < self.limit and (tenant is None or self._held_by[tenant] < self.cap(tenant)):
             return 0.0
         if self.limit == 0:
             return float("inf")
         hold = self.hold_time_s()
         if hold is None:
             return 0.0
-        return (ahead + 1) * hold / self.limit
+        wait = (ahead + 1) * hold / self.limit
+        if tenant is not None:
+            own = self._waiters.waiting_by_tenant().get(tenant, 0)
+            wait = max(wait, (own + 1) * hold / self.cap(tenant))
+        return wait
 
     def admit_interval_s(self) -> float | None:
         """Time between two freed slots once all are taken (hold time / limit); None before any hold time is known,

@@ -20,6 +20,9 @@ The rule, in order:
    d. the cold lane has spill room: the cold lane;
    e. otherwise 429 with a Retry-After of the time until a slot is expected within the SLO (TrafficControl spreads
       the Retry-Afters of a backlog of refusals over the lanes' admission rate: admission.RetrySchedule).
+   A request whose tenant holds its share of the slots while other tenants are active (hot_slots.py) is decided the
+   same way, with the slots of its share for "free" and its own line for the wait: a spill says `tenant_share`
+   instead of `hot_saturated`, a refusal `tenant_share_full` instead of `hot_lane_full`.
    The Router never sends the hot engines more interactive work than they run at once, and never leaves a hot slot
    idle while an interactive request waits for one.
 6. A lane that cannot fit the request, or whose breaker refuses requests now (open, or half-open with its probes
@@ -58,10 +61,11 @@ LANE_WAIT_MIN_S = 0.25
 
 REASON_LONG_CONTEXT = "long_context"
 REASON_HOT_SATURATED = "hot_saturated"
+REASON_TENANT_SHARE = "tenant_share"
 REASON_KV_HEADROOM = "hot_kv_headroom"
 REASON_MAX_TOKENS_CLIPPED = "max_tokens_clipped"
 # Every reason the decision can give, for dashboards and the doctor (the breaker and context ones name a lane).
-REASONS = (REASON_LONG_CONTEXT, REASON_HOT_SATURATED, REASON_KV_HEADROOM, REASON_MAX_TOKENS_CLIPPED,
+REASONS = (REASON_LONG_CONTEXT, REASON_HOT_SATURATED, REASON_TENANT_SHARE, REASON_KV_HEADROOM, REASON_MAX_TOKENS_CLIPPED,
            REASON_DECODE_ON_COLD, "hot_breaker_open", "cold_breaker_open", "exceeds_hot_max_model_len",
            "exceeds_cold_max_model_len")
 
@@ -81,6 +85,8 @@ class HotSlotState:
     free: int
     # Predicted wait for a slot of a request joining the line now (0 with a free slot; inf when unknown and full).
     predicted_wait_s: float
+    # No slot is free for this request's tenant although the lane has some: it holds its share (other tenants active).
+    at_tenant_share: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,10 +171,17 @@ def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, 
             return Lane.HOT, False
         if slots.predicted_wait_s <= inputs.interactive_ttft_target_s:
             return Lane.HOT, True
+    at_share = slots is not None and slots.at_tenant_share
     if cold_usable and inputs.cold_spill_room:
-        reasons.append(REASON_HOT_SATURATED)
+        reasons.append(REASON_TENANT_SHARE if at_share else REASON_HOT_SATURATED)
         return Lane.COLD, False
     wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_target_s if slots is not None else 0)
+    if at_share:
+        return RouteRefusal(429, "tenant_share_full",
+                            f"your tenant holds its share of the hot lane while other tenants use it, and its queue "
+                            f"would not start this request within the {inputs.interactive_ttft_target_s:.3g} s "
+                            f"admission aims at for an interactive first token",
+                            retry_after_s=wait)
     return RouteRefusal(429, "hot_lane_full",
                         f"the hot lane is full and its queue would not start this request within the "
                         f"{inputs.interactive_ttft_target_s:.3g} s admission aims at for an interactive first token",
@@ -259,5 +272,6 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
         reasons.append(REASON_DECODE_ON_COLD)
     return RouteDecision(lane=lane, priority=priority, max_tokens=max_tokens, reasons=tuple(reasons),
                          wait_for_hot_slot=wait_for_hot_slot and takes_hot_slot, takes_hot_slot=takes_hot_slot,
-                         takes_cold_spill=interactive and REASON_HOT_SATURATED in reasons and lane is Lane.COLD,
+                         takes_cold_spill=(interactive and lane is Lane.COLD
+                                           and not {REASON_HOT_SATURATED, REASON_TENANT_SHARE}.isdisjoint(reasons)),
                          handoff_after=handoff_after)

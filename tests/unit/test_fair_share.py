@@ -102,7 +102,9 @@ def test_the_predicted_wait_is_a_tenants_turn_not_the_whole_line():
 
     flood, other, slots = asyncio.run(run())
     hold = slots.hold_time_s()  # the clock stood still since
-    assert flood == pytest.approx((10 + 1) * hold / 2) and other == pytest.approx((1 + 1) * hold / 2)
+    # B waits for one turn of A's line on both slots; A's own ten pass through its cap (all but one of the two
+    # slots, as the tenant holding them is active too).
+    assert other == pytest.approx((1 + 1) * hold / 2) and flood == pytest.approx((10 + 1) * hold / 1)
 
 
 def test_a_tenant_of_weight_three_takes_three_slots_per_turn_and_its_wait_is_predicted_so():
@@ -129,10 +131,12 @@ def test_a_flooding_tenant_leaves_a_slot_that_another_active_tenants_request_tak
         slots.release(slots.take(tenant="b"))  # B has been here: active
         flood = [slots.take(tenant="a") for _ in range(3)]
         assert slots.free("a") == 0 and slots.free("b") == 1  # A's cap is all but one
+        assert slots.at_share("a") and not slots.at_share("b")  # A is kept out by its cap, not by a full lane
         waiting_a = [asyncio.create_task(slots.acquire("a")) for _ in range(5)]
         await asyncio.sleep(0.01)
         b = await asyncio.wait_for(slots.acquire("b"), timeout=0.1)  # past A's line, into the slot kept free
         assert slots.stats()["in_flight_by_tenant"] == {"a": 3, "b": 1} and not any(t.done() for t in waiting_a)
+        assert not slots.at_share("a")  # the lane is full now
         slots.release(flood.pop())  # one of A's finishes: the next of A's line takes its place
         await asyncio.sleep(0.01)
         assert sum(task.done() for task in waiting_a) == 1 and slots.in_flight == 4

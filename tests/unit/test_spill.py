@@ -73,6 +73,18 @@ def test_interactive_is_refused_429_when_neither_lane_can_start_it_in_time():
     assert isinstance(cold_down, RouteRefusal) and cold_down.status == 429
 
 
+def test_a_tenant_at_its_share_spills_or_is_refused_naming_its_share_not_a_full_lane():
+    at_share = HotSlotState(free=0, predicted_wait_s=5.0, at_tenant_share=True)
+    spilled = route(IA, hot_slots=at_share, interactive_ttft_target_s=1.0)
+    assert spilled.lane is COLD and spilled.reasons == ("tenant_share",) and spilled.takes_cold_spill
+    refusal = route(IA, hot_slots=at_share, interactive_ttft_target_s=1.0, cold_spill_room=False)
+    assert isinstance(refusal, RouteRefusal) and refusal.status == 429 and refusal.code == "tenant_share_full"
+    assert refusal.retry_after_s == 4 and "share" in refusal.message
+    waits = route(IA, hot_slots=HotSlotState(free=0, predicted_wait_s=0.5, at_tenant_share=True),
+                  interactive_ttft_target_s=1.0)
+    assert waits.lane is HOT and waits.wait_for_hot_slot  # its own line moves fast enough: it waits its turn
+
+
 def test_a_kv_headroom_refusal_sends_interactive_to_the_cold_lane():
     refused = route(IA, hot_slots=HotSlotState(free=3, predicted_wait_s=0.0), hot_refused_for_kv=True)
     assert refused.lane is COLD and refused.reasons == ("hot_kv_headroom",)
