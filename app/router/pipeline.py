@@ -191,7 +191,6 @@ class RequestPipeline:
                                        f"retry in {admitted.retry_after_s} s", type="rate_limit_error",
                                   code="queue_full", headers={"Retry-After": str(admitted.retry_after_s)})
         record.admitted(request_class)
-        self._publish_queue_depth(request_class)
         started = False
         try:
             with record.span_for(SPAN_ROUTE):
@@ -208,7 +207,6 @@ class RequestPipeline:
         finally:
             if not started:
                 self.control.abandoned_before_start(request_class, context.tenant)
-            self._publish_queue_depth(request_class)
 
     # ---- route -----------------------------------------------------------------------------------------------------
 
@@ -251,10 +249,6 @@ class RequestPipeline:
         return decision
 
     # ---- bookkeeping -----------------------------------------------------------------------------------------------
-
-    def _publish_queue_depth(self, request_class: RequestClass) -> None:
-        """The one class a request entered or left (per request: one gauge write, not one per class)."""
-        self.metrics.set_queue_depth(self.control.back_pressure.queued(request_class), request_class=request_class)
 
     @staticmethod
     def count_refusal(record: RequestRecord, service_tier: str | None, class_header: str | None,

@@ -161,12 +161,11 @@ async def test_grpc_complete_takes_the_http_path_and_records_metrics(tmp_path):
     assert backend.of("llm_lanes_ttft_seconds") == [] and backend.of("llm_lanes_tpot_seconds") == []
     assert backend.of("llm_lanes_admission_decisions_total") == [
         (1.0, {"decision": "admit", "reason": "queued", "request_class": "interactive"})]
-    # In the queue from admission to the first chunk: 1, then 0 (the periodic publisher writes every class).
-    assert backend.of("llm_lanes_queue_depth") == [(1.0, {"request_class": "interactive"}),
-                                                   (0.0, {"request_class": "interactive"})]
+    # The queue depth is the periodic publisher's, not written per request: every class, the request gone.
+    assert backend.of("llm_lanes_queue_depth") == []
     await publish_router_gauges(router.batch_store, router.control, router.metrics)
-    assert {tags["request_class"] for _, tags in backend.of("llm_lanes_queue_depth")} == {
-        "realtime", "interactive", "batch"}
+    assert sorted((tags["request_class"], value) for value, tags in backend.of("llm_lanes_queue_depth")) == [
+        ("batch", 0.0), ("interactive", 0.0), ("realtime", 0.0)]
 
 
 async def test_grpc_request_class_enum_wins_and_batch_goes_cold(tmp_path):
