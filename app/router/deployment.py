@@ -241,6 +241,8 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
     async def __del__(self):
         # Graceful shutdown (serve run stopped, serve deploy, scale-down): in-flight batch lines get half the
         # replica's shutdown time to be recorded; the leases of the rest are released, not left to run out.
+        if not hasattr(self, "_rate_limit_task"):
+            return  # stopped while __init__ ran (the app shut down as it started): nothing of it runs yet
         self._backlog_metrics_task.cancel()
         self._rate_limit_task.cancel()
         self.tracing.shutdown()
