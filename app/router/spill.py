@@ -65,9 +65,9 @@ REASON_TENANT_SHARE = "tenant_share"
 REASON_KV_HEADROOM = "hot_kv_headroom"
 REASON_MAX_TOKENS_CLIPPED = "max_tokens_clipped"
 # Every reason the decision can give, for dashboards and the doctor (the breaker and context ones name a lane).
-REASONS = (REASON_LONG_CONTEXT, REASON_HOT_SATURATED, REASON_TENANT_SHARE, REASON_KV_HEADROOM, REASON_MAX_TOKENS_CLIPPED,
-           REASON_DECODE_ON_COLD, "hot_breaker_open", "cold_breaker_open", "exceeds_hot_max_model_len",
-           "exceeds_cold_max_model_len")
+REASONS = (REASON_LONG_CONTEXT, REASON_HOT_SATURATED, REASON_TENANT_SHARE, REASON_KV_HEADROOM,
+           REASON_MAX_TOKENS_CLIPPED, REASON_DECODE_ON_COLD, "hot_breaker_open", "cold_breaker_open",
+           "exceeds_hot_max_model_len", "exceeds_cold_max_model_len")
 
 
 def reason_breaker_open(lane: Lane) -> str:
