@@ -45,6 +45,10 @@ def write_config(tmp_dir, tiny_model):
     # Hot slots (12 - 4 realtime) / 2 Routers = 4 per Router: the tenant flood fills them with a line behind them
     # while leaving the 2 cores some room, so B's TTFT during the flood measures the turns, not a saturated host.
     args["hot_lane"]["engine"]["max_num_seqs"] = 12
+    # A's flood waits in the Routers' lines (the fair-share test's subject) rather than spilling to the cold lane or
+    # being refused: with the embedded 2 s target, A's surplus spilled or got 429s, whose load on the 2-core host, not
+    # the line, set B's first token in the flood test's slowest runs.
+    args["admission"]["interactive_ttft_slo_s"] = 30.0
     args["router"].update(num_replicas=ROUTERS, max_request_bytes=MAX_REQUEST_BYTES)
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3"), "lease_s": 5, "max_file_bytes": TEST_MAX_FILE_BYTES,
                      "window_min": 8, "window_max": 8}
