@@ -313,10 +313,9 @@ def median(values: list[float]) -> float:
 
 # Tenant A's flood: 12 requests at once, twice the 6 hot slots A may hold while B is active (all but one of each
 # Router's 4), so a line of A's requests waits in each Router; without the turns and the slot left free, B's requests
-# would wait behind it (a line of 3 per Router ahead of B: about a hold time, ~1.3 s). Not more: past what its line can
-# start within the interactive TTFT target, A's surplus is refused (429) or spills to the cold lane, an overload test
-# rather than this one. Each answer is long enough to hold its slot for a while: with 16 tokens a request spent most
-# of its round trip outside the Router.
+# would wait behind it (a line of 3 per Router ahead of B: about a hold time, ~1.3 s). A longer line would only add to
+# A's own wait and its client's requests through the proxy. Each answer is long enough to hold its slot for a while:
+# with 16 tokens a request spent most of its round trip outside the Router.
 FLOOD_CONCURRENCY = 12
 # A within its share: as many requests at once as A may hold (2 Routers x 3), no line.
 IN_SHARE_CONCURRENCY = 6
