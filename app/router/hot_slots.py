@@ -73,7 +73,7 @@ class LaneSlots:
 
     def at_share(self, tenant: str) -> bool:
         """`tenant` holds its share while the lane has slots free: its cap, not the lane, keeps it out."""
-        return self.in_flight < self.limit and self._held_by[tenant] >= self.cap(tenant)
+        return self.in_flight < self.limit and not self.may_take(tenant)
 
     def may_take(self, tenant: str) -> bool:
         return self.in_flight < self.limit and self._held_by[tenant] < self.cap(tenant)
@@ -137,7 +137,7 @@ class LaneSlots:
         """
         if ahead is None:
             ahead = self._waiters.ahead_of(tenant) if tenant is not None else self.waiting
-        if ahead == 0 and self.in_flight < self.limit and (tenant is None or self._held_by[tenant] < self.cap(tenant)):
+        if ahead == 0 and (self.in_flight < self.limit if tenant is None else self.may_take(tenant)):
             return 0.0
         if self.limit == 0:
             return float("inf")

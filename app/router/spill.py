@@ -176,14 +176,10 @@ def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, 
         reasons.append(REASON_TENANT_SHARE if at_share else REASON_HOT_SATURATED)
         return Lane.COLD, False
     wait = retry_after_s(slots.predicted_wait_s - inputs.interactive_ttft_target_s if slots is not None else 0)
-    if at_share:
-        return RouteRefusal(429, "tenant_share_full",
-                            f"your tenant holds its share of the hot lane while other tenants use it, and its queue "
-                            f"would not start this request within the {inputs.interactive_ttft_target_s:.3g} s "
-                            f"admission aims at for an interactive first token",
-                            retry_after_s=wait)
-    return RouteRefusal(429, "hot_lane_full",
-                        f"the hot lane is full and its queue would not start this request within the "
+    code, what = (("tenant_share_full", "your tenant holds its share of the hot lane while other tenants use it")
+                  if at_share else ("hot_lane_full", "the hot lane is full"))
+    return RouteRefusal(429, code,
+                        f"{what} and its queue would not start this request within the "
                         f"{inputs.interactive_ttft_target_s:.3g} s admission aims at for an interactive first token",
                         retry_after_s=wait)
 
