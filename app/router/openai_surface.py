@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import json
 import logging
@@ -98,6 +99,7 @@ def _import_vllm():
     return sampling, chat_protocol, completion_protocol, OpenAIServingChat, OpenAIServingCompletion
 
 
+@functools.cache  # asked on every answer: an import statement per request costs ~1 % of a Router's CPU
 def _error_response_type():
     try:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
