@@ -58,7 +58,8 @@ def classify(service_tier: str | None, header_value: str | None = None) -> Reque
             raise UnknownRequestClass(
                 "X-Request-Class header", header_value, [c.value for c in RequestClass]
             ) from None
-    if service_tier not in SERVICE_TIER_CLASSES:
+    # A JSON body may carry any type here: anything but a known string (or none) is refused, never looked up.
+    if not (service_tier is None or isinstance(service_tier, str)) or service_tier not in SERVICE_TIER_CLASSES:
         raise UnknownRequestClass("service_tier", str(service_tier), [t for t in SERVICE_TIER_CLASSES if t])
     return SERVICE_TIER_CLASSES[service_tier]
 

@@ -110,7 +110,7 @@ class RequestPipeline:
         service_tier = body.get("service_tier") if isinstance(body, dict) else None
         try:
             # A class the key may not use is refused before vLLM's code renders (and tokenizes) the prompt.
-            self.classify(service_tier if isinstance(service_tier, str) else None, class_header, principal)
+            self.classify(service_tier, class_header, principal)
             if isinstance(body, dict):
                 self.surface.check_bounds(endpoint, body)
                 if stream is not None:

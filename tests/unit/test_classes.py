@@ -22,6 +22,13 @@ def test_unknown_values_are_client_errors():
         classify("scale")
 
 
+@pytest.mark.parametrize("tier", [[], {}, ["flex"], 5, True])
+def test_a_service_tier_that_is_not_a_string_is_a_client_error(tier):
+    # From a JSON body: a list or an object would otherwise fail the lookup itself (a 500, not the client's 400).
+    with pytest.raises(UnknownRequestClass, match="unknown service_tier"):
+        classify(tier)
+
+
 def test_classes_map_to_lanes_and_vllm_priorities():
     assert policy_for(RequestClass.REALTIME).lane is Lane.HOT
     assert policy_for(RequestClass.INTERACTIVE).lane is Lane.HOT
