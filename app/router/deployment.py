@@ -117,8 +117,6 @@ class ServeLaneClients:
 
     def __init__(self, handles: dict[Lane, Any]):
         self.handles = handles
-        # Made once: `options()` copies the handle's options on every call.
-        self._streaming = {lane: handle.options(stream=True) for lane, handle in handles.items()}
 
     def open(self, lane: Lane, request: LaneRequest):
         # Each lane call under an internal request id of its own. A handle call inherits the id of the request being
@@ -129,7 +127,7 @@ class ServeLaneClients:
         token = serve_context._serve_request_context.set(
             dataclasses.replace(context, _internal_request_id=generate_request_id()))
         try:
-            return ServeLaneStream(self._streaming[lane].generate.remote(request))
+            return ServeLaneStream(self.handles[lane].options(stream=True).generate.remote(request))
         finally:
             serve_context._serve_request_context.reset(token)
 
