@@ -287,6 +287,15 @@ def front_door(settings: dict[str, Any]) -> str:
     return "HAProxy" if settings.get("haproxy") else "the HTTP proxy"
 
 
+def rate_level_row(level: dict[str, Any]) -> str:
+    """One rate level as a table row: concurrency, client processes, requests (ok), req/s, E2E p50 / p99, the busiest
+    client's CPU, errors."""
+    errors = ", ".join(f"{k}: {v}" for k, v in level["errors"].items()) or "none"
+    return (f"| {level['concurrency']} | {level.get('clients', 1)} | {level['requests']} ({level['ok']}) | "
+            f"{_num(level['requests_per_s'], 1)} | {_p50_p99(level['e2e_ms'])} | "
+            f"{_num(level['client_cpu_per_wall_s'], 2)} | {errors} |")
+
+
 def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False, front: str = "the HTTP proxy") -> list[str]:
     if not rate:
         return []
@@ -298,11 +307,7 @@ def render_rate_ceiling(rate: dict[str, Any] | None, direct: bool = False, front
              "process's CPU seconds per wall second (near 1.0: the client, not the app, was the limit).", "",
              "| concurrency | client processes | requests (ok) | req/s | E2E p50 / p99 (ms) | client CPU | errors |",
              "|---|---|---|---|---|---|---|"]
-    for level in rate["levels"]:
-        errors = ", ".join(f"{k}: {v}" for k, v in level["errors"].items()) or "none"
-        lines.append(f"| {level['concurrency']} | {level.get('clients', 1)} | {level['requests']} ({level['ok']}) | "
-                     f"{_num(level['requests_per_s'], 1)} | {_p50_p99(level['e2e_ms'])} | "
-                     f"{_num(level['client_cpu_per_wall_s'], 2)} | {errors} |")
+    lines += [rate_level_row(level) for level in rate["levels"]]
     ceiling = rate["ceiling"]
     if ceiling:
         bound = " (the load generator was at its limit: the app's ceiling is at least this)" \

@@ -33,7 +33,7 @@ import yaml
 from fastapi import Request
 
 from load_tests import direct_ingress
-from load_tests.overhead import Settings, measure_rate_ceiling
+from load_tests.overhead import Settings, front_door, measure_rate_ceiling, rate_level_row
 from load_tests.overlay import load_serve_config
 from load_tests.serve_runner import (AppStartError, ServedApp, app_url, checkout_env, default_cleanup_commands,
                                      default_start_command, default_stop_commands)
@@ -109,18 +109,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         if result.get("error"):
             lines.append(f"| `{result['variant']}` | failed: {result['error']} | | | | | | |")
             continue
-        for level in result["rate_ceiling"]["levels"]:
-            errors = ", ".join(f"{k}: {v}" for k, v in level["errors"].items()) or "none"
-            e2e = level["e2e_ms"]
-            lines.append(f"| `{result['variant']}` | {level['concurrency']} | {level['clients']} | "
-                         f"{level['requests']} ({level['ok']}) | {_num(level['requests_per_s'], 1)} | "
-                         f"{_num(e2e.get('p50'))} / {_num(e2e.get('p99'))} | "
-                         f"{_num(level['client_cpu_per_wall_s'], 2)} | {errors} |")
+        lines += [f"| `{result['variant']}` {rate_level_row(level)}" for level in result["rate_ceiling"]["levels"]]
     return "\n".join(lines) + "\n"
-
-
-def _num(value: float | None, digits: int = 1) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
 
 
 def _log(message: str) -> None:
@@ -129,7 +119,7 @@ def _log(message: str) -> None:
 
 def run(settings: Settings, base_config: str, variants: list[str]) -> dict[str, Any]:
     base = load_serve_config(base_config)
-    front = "HAProxy" if settings.haproxy else "the HTTP proxy"
+    front = front_door(settings.to_json())
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     report: dict[str, Any] = {"base_config": base_config, "front_door": front, "started_at": started,
                               "settings": settings.to_json(), "variants": []}
