@@ -34,9 +34,10 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 
 def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str, Any] | None:
-    """The lane's `request_router_config`: prefix-affinity routing, or None for Serve's power-of-two-choices."""
+    """The lane's `request_router_config`: prefix-affinity routing, or None for Serve's power-of-two-choices (asked
+    for, or a lane of one replica: nothing to choose)."""
     settings = cfg.prefix_cache
-    if settings.routing != "affinity":
+    if settings.routing != "affinity" or not cfg.keeps_prefix_index(lane):
         return None
     return {
         "request_router_class": "app.prefix_cache.request_router:PrefixAffinityRouter",

@@ -261,8 +261,9 @@ class AppConfig(StrictModel):
         for lane_name in ("hot_lane", "cold_lane"):
             if getattr(self, lane_name) is not None:
                 _check_lane(self, lane_name, getattr(self, lane_name))
-                if (self.prefix_cache.feed == "kv_events"
-                        and not getattr(self, lane_name).engine.enable_prefix_caching):
+                lane = getattr(self, lane_name)
+                if (self.prefix_cache.feed == "kv_events" and self.keeps_prefix_index(lane)
+                        and not lane.engine.enable_prefix_caching):
                     raise ValueError(
                         f"prefix_cache.feed='kv_events' needs {lane_name}.engine.enable_prefix_caching: true (an "
                         "engine without a prefix cache sends no KV events); or set prefix_cache.feed: approximate"
@@ -288,6 +289,12 @@ class AppConfig(StrictModel):
         if deployment.min_replicas <= reserved:
             raise ValueError(f"{field} would leave no hot replica for interactive requests: hot_lane.deployment."
                              f"{where} is {deployment.min_replicas}; raise it above {reserved}, or lower the reserve")
+
+    def keeps_prefix_index(self, lane: LaneConfig) -> bool:
+        """Whether `lane`'s engines feed the shared prefix index from their KV events and its calls go through the
+        prefix-affinity request router. Only a lane that can run more than one replica has a replica to choose: for
+        one, the events, the index's copy in every Router and its syncs would cost CPU beside the engine for nothing."""
+        return lane.deployment.max_replicas > 1
 
     def lane(self, name: str) -> LaneConfig:
         lane = {"hot": self.hot_lane, "cold": self.cold_lane}[name]

@@ -152,6 +152,11 @@ class LaneDeploymentSettings(StrictModel):
         """Replicas the lane has at its smallest: autoscaling.min_replicas when it autoscales, else num_replicas."""
         return self.autoscaling.min_replicas if self.autoscaling else self.num_replicas
 
+    @property
+    def max_replicas(self) -> int:
+        """Replicas the lane has at its largest: autoscaling.max_replicas when it autoscales, else num_replicas."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
     @model_validator(mode="after")
     def _check(self) -> "LaneDeploymentSettings":
         reserved = {"CPU", "GPU", "memory", "object_store_memory"} & set(self.resources)

@@ -6,7 +6,8 @@ Two feeds (`prefix_cache.feed`):
   PrefixCache deployment. What the index says is what the engine holds, evictions included.
 - `approximate`: the replica records each long prompt it admits; the PrefixCache forgets entries unused for
   `approximate_ttl_s` (an engine's LRU eviction is not observable without events).
-Either way every long prompt is also counted for popularity (which prefixes get pinned).
+Either way every long prompt is also counted for popularity (which prefixes get pinned). A lane that can run only
+one replica feeds neither (`AppConfig.keeps_prefix_index`); its long prompts still count for popularity.
 
 Everything here is advisory: a slow or dead PrefixCache costs routing quality, never a request. Reports are fire and
 forget (observe) or retried as a full resync by the subscriber (exact feed).
@@ -48,7 +49,10 @@ class ReplicaPrefixFeed:
         self.replica_id = replica_id
         self.block_size = block_size
         self.prefix_cache = prefix_cache
-        self.exact = prefix_cache is not None and self.settings.feed == "kv_events"
+        # A lane of one replica keeps no index (AppConfig.keeps_prefix_index): its engine publishes no KV events and
+        # its prompts record no blocks. Popularity, warm-up and the stats push stay: they serve the other lane too.
+        self.indexing = prefix_cache is not None and cfg.keeps_prefix_index(cfg.lane(lane))
+        self.exact = self.indexing and self.settings.feed == "kv_events"
         self._endpoint = ipc_endpoint() if self.exact else None
         self.subscriber: KVEventSubscriber | None = None
         self._prefix_cache_epoch: str | None = None
@@ -119,7 +123,7 @@ class ReplicaPrefixFeed:
         try:
             await asyncio.wait_for(
                 self.prefix_cache.observe_prompt.remote(self.replica_id, self.lane, prompt_token_ids,
-                                                        self.block_size, not self.exact),
+                                                        self.block_size, self.indexing and not self.exact),
                 timeout=PREFIX_CACHE_CALL_TIMEOUT_S)
         except Exception as error:  # advisory state: never fail or slow a request for it
             self.observe_errors += 1
@@ -167,7 +171,7 @@ class ReplicaPrefixFeed:
 
     # --- stats and teardown ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        feed: dict[str, Any] = {"mode": self.settings.feed if self.prefix_cache is not None else "off",
+        feed: dict[str, Any] = {"mode": self.settings.feed if self.indexing else "off",
                                 "observe_errors": self.observe_errors, "warmup": dict(self.warmup)}
         if self.subscriber is not None:
             feed["events"] = {**vars(self.subscriber.stats), **{

@@ -18,6 +18,11 @@ from tests.unit.test_config import cpu_args, error_of
 from tests.fakes import FakeClock
 from tests.unit.test_popularity import BLOCK
 
+def indexed_args(**overrides):
+    """App args whose lanes run two replicas each: lanes that keep the prefix index (AppConfig.keeps_prefix_index)."""
+    return cpu_args(**{"hot_lane.deployment.num_replicas": 2, "cold_lane.deployment.num_replicas": 2, **overrides})
+
+
 def prompt(seed: int, length: int = 1100) -> list[int]:
     return [(seed * 7919 + i) % 5000 + 3 for i in range(length)]
 
@@ -140,7 +145,7 @@ def recording_generate(seen: list):
 async def test_warm_up_prefills_each_pinned_prefix_with_one_token():
     pinned = [prompt(8, 1024), prompt(9, 2048)]
     cache = FakePrefixCache(pinned)
-    feed = ReplicaPrefixFeed(load_app_config(cpu_args(**{"prefix_cache.feed": "approximate"})), "cold", "r1", BLOCK,
+    feed = ReplicaPrefixFeed(load_app_config(indexed_args(**{"prefix_cache.feed": "approximate"})), "cold", "r1", BLOCK,
                              cache)
     seen: list = []
     await feed.warm_up(recording_generate(seen))
@@ -152,7 +157,7 @@ async def test_warm_up_prefills_each_pinned_prefix_with_one_token():
 
 async def test_warm_up_gives_up_after_its_timeout_and_the_replica_starts_anyway():
     cache = FakePrefixCache([prompt(1)], delay_s=5)
-    feed = ReplicaPrefixFeed(load_app_config(cpu_args(**{"prefix_cache.warmup_timeout_s": 0.05})), "hot", "r1",
+    feed = ReplicaPrefixFeed(load_app_config(indexed_args(**{"prefix_cache.warmup_timeout_s": 0.05})), "hot", "r1",
                              BLOCK, cache)
     seen: list = []
     await feed.warm_up(recording_generate(seen))
@@ -161,21 +166,48 @@ async def test_warm_up_gives_up_after_its_timeout_and_the_replica_starts_anyway(
 
 async def test_observe_sends_long_prompts_only_and_says_which_feed_indexes_them():
     cache = FakePrefixCache([])
-    exact = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, cache)
+    exact = ReplicaPrefixFeed(load_app_config(indexed_args()), "hot", "r1", BLOCK, cache)
     assert exact.engine_kv_events_config()["enable_kv_cache_events"] is True
     exact.observe(prompt(1, 100))  # shorter than min_prefix_tokens (1024)
     exact.observe(prompt(1, 1100))
     await asyncio.sleep(0)
     assert [(c[0], len(c[2]), c[4]) for c in cache.observe_prompt.calls] == [("r1", 1100, False)]
-    approximate = ReplicaPrefixFeed(load_app_config(cpu_args(**{"prefix_cache.feed": "approximate"})), "hot", "r2",
+    approximate = ReplicaPrefixFeed(load_app_config(indexed_args(**{"prefix_cache.feed": "approximate"})), "hot", "r2",
                                     BLOCK, cache)
     approximate.observe(prompt(2, 1100))
     await asyncio.sleep(0)
     assert cache.observe_prompt.calls[-1][4] is True
 
 
+async def test_a_lane_of_one_replica_keeps_no_index_but_counts_popularity_and_warms_up():
+    """Nothing to choose between: no KV events, no blocks recorded, no affinity router; the rest stays."""
+    cache = FakePrefixCache([prompt(8, 1024)])
+    for feed_mode in ("kv_events", "approximate"):
+        cfg = load_app_config(cpu_args(**{"prefix_cache.feed": feed_mode, "cold_lane.deployment.num_replicas": 2}))
+        assert not cfg.keeps_prefix_index(cfg.hot_lane) and cfg.keeps_prefix_index(cfg.cold_lane)
+        feed = ReplicaPrefixFeed(cfg, "hot", "r1", BLOCK, cache)
+        assert feed.engine_kv_events_config() is None and feed.stats()["mode"] == "off"
+        feed.observe(prompt(1, 1100))
+        await asyncio.sleep(0)
+        assert cache.observe_prompt.calls[-1][:2] == ("r1", "hot") and cache.observe_prompt.calls[-1][4] is False
+        seen: list = []
+        await feed.warm_up(recording_generate(seen))
+        assert [r.prompt_token_ids for r in seen] == [prompt(8, 1024)]
+        assert prefix_affinity_router_config(cfg, cfg.hot_lane) is None
+        assert "request_router_config" not in lane_deployment_options(cfg.hot_lane, cfg)
+        assert lane_deployment_options(cfg.cold_lane, cfg)["request_router_config"] is not None
+
+
+def test_an_autoscaled_lane_keeps_the_index_when_it_may_grow_past_one_replica():
+    autoscaling = {"min_replicas": 1, "max_replicas": 3}
+    cfg = load_app_config(cpu_args(**{"cold_lane.deployment.autoscaling": autoscaling}))
+    assert cfg.cold_lane.deployment.max_replicas == 3 and cfg.keeps_prefix_index(cfg.cold_lane)
+    single = load_app_config(cpu_args(**{"cold_lane.deployment.autoscaling": {**autoscaling, "max_replicas": 1}}))
+    assert not single.keeps_prefix_index(single.cold_lane)
+
+
 def test_no_prefix_cache_means_no_events_no_warm_up_and_feed_off():
-    feed = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, None)
+    feed = ReplicaPrefixFeed(load_app_config(indexed_args()), "hot", "r1", BLOCK, None)
     assert feed.engine_kv_events_config() is None and feed.stats()["mode"] == "off"
     feed.observe(prompt(1))  # nothing to send to: no error
 
@@ -184,21 +216,23 @@ def test_no_prefix_cache_means_no_events_no_warm_up_and_feed_off():
 
 
 def test_lanes_use_the_affinity_router_by_default_and_serves_pow2_when_asked():
-    cfg = load_app_config(cpu_args(**{"prefix_cache.match_threshold": 0.9}))
+    cfg = load_app_config(indexed_args(**{"prefix_cache.match_threshold": 0.9}))
     options = lane_deployment_options(cfg.cold_lane, cfg)
     router = options["request_router_config"]
     assert router.request_router_kwargs["settings"]["match_threshold"] == 0.9
     assert router.request_router_kwargs["block_size"] == cfg.cold_lane.engine.block_size
     assert router.request_routing_stats_period_s == 1.0
-    pow2 = load_app_config(cpu_args(**{"prefix_cache.routing": "pow2"}))
+    pow2 = load_app_config(indexed_args(**{"prefix_cache.routing": "pow2"}))
     assert prefix_affinity_router_config(pow2, pow2.hot_lane) is None
     assert "request_router_config" not in lane_deployment_options(pow2.hot_lane, pow2)
 
 
 def test_kv_events_feed_needs_the_engine_prefix_cache():
-    message = error_of(cpu_args(**{"hot_lane.engine.enable_prefix_caching": False}))
+    message = error_of(indexed_args(**{"hot_lane.engine.enable_prefix_caching": False}))
     assert "hot_lane.engine.enable_prefix_caching" in message and "feed: approximate" in message
     load_app_config(cpu_args(**{"hot_lane.engine.enable_prefix_caching": False, "prefix_cache.feed": "approximate"}))
+    # A lane of one replica sends no events, so its engine may run without a prefix cache.
+    load_app_config(cpu_args(**{"hot_lane.engine.enable_prefix_caching": False}))
 
 
 @pytest.mark.parametrize("field,value", [("prefix_cache.lookup_timeout_s", 0), ("prefix_cache.routing", "random"),
@@ -224,7 +258,7 @@ async def test_a_restarted_prefix_cache_gets_a_full_resync():
     from app.prefix_cache.kv_events import IndexUpdate
 
     cache = FakePrefixCache([])
-    feed = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, cache)
+    feed = ReplicaPrefixFeed(load_app_config(indexed_args()), "hot", "r1", BLOCK, cache)
     resyncs = []
     feed.subscriber = SimpleNamespace(request_resync=lambda: resyncs.append(True))
     cache.apply_update.result = "epoch-1"
@@ -243,7 +277,7 @@ async def test_an_idle_replica_notices_a_restarted_prefix_cache_through_its_stat
     from types import SimpleNamespace
 
     cache = FakePrefixCache([])
-    feed = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, cache)
+    feed = ReplicaPrefixFeed(load_app_config(indexed_args()), "hot", "r1", BLOCK, cache)
     resyncs = []
     feed.subscriber = SimpleNamespace(request_resync=lambda: resyncs.append(True))
 
@@ -263,7 +297,7 @@ async def test_an_idle_replica_notices_a_restarted_prefix_cache_through_its_stat
 async def test_a_slow_stats_push_is_not_piled_up_and_a_failed_one_is_dropped():
     cache = FakePrefixCache([])
     cache.report_replica_stats.delay_s = 0.05
-    feed = ReplicaPrefixFeed(load_app_config(cpu_args()), "hot", "r1", BLOCK, cache)
+    feed = ReplicaPrefixFeed(load_app_config(indexed_args()), "hot", "r1", BLOCK, cache)
     feed.report_replica_stats({"n": 1})
     feed.report_replica_stats({"n": 2})  # the first is still unanswered: skipped
     await feed._stats_report

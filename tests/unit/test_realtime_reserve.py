@@ -72,8 +72,10 @@ async def test_without_a_reserve_realtime_goes_by_load():
 
 # --- config ------------------------------------------------------------------------------------------------------
 def reserve_args(reserved: int, hot_replicas: int, routing: str = "affinity") -> dict:
+    # Two cold replicas: a lane of one has no request router of its own (AppConfig.keeps_prefix_index).
     return cpu_args(**{"admission.realtime_reserved_hot_replicas": reserved,
-                       "hot_lane.deployment.num_replicas": hot_replicas, "prefix_cache.routing": routing})
+                       "hot_lane.deployment.num_replicas": hot_replicas, "prefix_cache.routing": routing,
+                       "cold_lane.deployment.num_replicas": 2})
 
 
 def test_the_reserve_reaches_the_hot_lanes_router_only():
