@@ -251,15 +251,14 @@ class RequestPipeline:
     # ---- bookkeeping -----------------------------------------------------------------------------------------------
 
     @staticmethod
-    def count_refusal(record: RequestRecord, service_tier: str | None, class_header: str | None,
-                       status: int) -> None:
+    def count_refusal(record: RequestRecord, service_tier: Any, class_header: str | None, status: int) -> None:
         if record.finished:
             return
         if record.request_class is None:
-            # Refused before classification (unknown model, empty prompt...): label it with the class it asked for.
+            # Refused before classification (unknown model, empty prompt...): label it with the class it asked for,
+            # or "unknown" when that is what was wrong (a class name that is not one, a list or an object).
             try:
-                record.request_class = classify(service_tier if isinstance(service_tier, str) else None,
-                                                class_header)
+                record.request_class = classify(service_tier, class_header)
             except UnknownRequestClass:
                 record.request_class = UNKNOWN_CLASS
         record.failed(status)

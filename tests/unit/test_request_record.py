@@ -48,3 +48,29 @@ def test_a_wait_at_the_proxy_moves_the_arrival_earlier_and_counts_in_the_receive
     record.received()
     assert metrics.values["request_receive"] == [0.75]
     assert clock() - record.arrived_at == 0.75 and clock() == record.received_at
+
+
+class Counted:
+    def __init__(self):
+        self.requests: list[dict] = []
+
+    def count_request(self, **labels):
+        self.requests.append(labels)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_a_refusal_before_classification_is_labelled_with_the_class_asked_for_or_unknown():
+    from app.router.pipeline import RequestPipeline
+
+    labels = {}
+    for name, service_tier, header in [("asked", "priority", None), ("header", "flex", "realtime"),
+                                       ("none", None, None), ("bad name", "gold", None), ("list", [], None),
+                                       ("object", {"tier": "flex"}, None), ("bad header", None, "vip")]:
+        metrics = Counted()
+        RequestPipeline.count_refusal(RequestRecord(metrics, Tracing(), None, "chat"), service_tier, header, 400)
+        labels[name] = metrics.requests[0]["request_class"]
+    assert labels == {"asked": RequestClass.REALTIME, "header": RequestClass.REALTIME,
+                      "none": RequestClass.INTERACTIVE, "bad name": "unknown", "list": "unknown",
+                      "object": "unknown", "bad header": "unknown"}
