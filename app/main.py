@@ -25,7 +25,8 @@ def _resolve_local_paths(cfg: AppConfig) -> AppConfig:
     if updates:
         cfg = cfg.model_copy(update={"model": model.model_copy(update=updates)})
     if not cfg.batch.is_postgres and not Path(cfg.batch.store).is_absolute():
-        cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"store": str(Path(cfg.batch.store).resolve())})})
+        store = str(Path(cfg.batch.store).resolve())
+        cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"store": store})})
     return cfg
 
 
@@ -116,8 +117,8 @@ def build_app(args: dict[str, Any]) -> Application:
         logging_config={"enable_access_log": False},
     ).bind(app_args)
     hot = HotLane.options(**lane_deployment_options(cfg.hot_lane, cfg)).bind(app_args, prefix_cache, ReplicaPrefixFeed)
-    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane, cfg)).bind(app_args, prefix_cache, ReplicaPrefixFeed)
-            if cfg.cold_lane is not None else None)
+    cold = (ColdLane.options(**lane_deployment_options(cfg.cold_lane, cfg))
+            .bind(app_args, prefix_cache, ReplicaPrefixFeed) if cfg.cold_lane is not None else None)
     router = Router.options(
         num_replicas=cfg.router.num_replicas,
         max_ongoing_requests=cfg.router.max_ongoing_requests,

@@ -78,7 +78,8 @@ class LaneTrace:
         self.span = tracing.start_span(
             SPAN_LANE_GENERATE, context=tracing.extract(request.trace_carrier), start_time_ns=self.arrival_ns,
             attributes={"llm_lanes.lane": lane, "llm_lanes.replica_id": replica_id,
-                        "llm_lanes.request_id": request.request_id, "llm_lanes.request_class": request.request_class.value,
+                        "llm_lanes.request_id": request.request_id,
+                        "llm_lanes.request_class": request.request_class.value,
                         "llm_lanes.prompt_tokens": len(request.prompt_token_ids), "llm_lanes.streamed": request.stream})
 
     def entered_engine(self) -> None:

@@ -53,8 +53,9 @@ class PrefixIndex:
 
     def __init__(self, max_entries: int, clock=time.monotonic,
                  on_drop: Callable[[list[BlockHash]], None] | None = None):
-        """`max_entries`: prefix_cache.max_entries (the PrefixCache's bound; a Router's mirror holds more). `on_drop` is told which entries the index removed on its own (evicted, expired), so a change log can
-        pass that on to mirrors."""
+        """`max_entries`: prefix_cache.max_entries (the PrefixCache's bound; a Router's mirror holds more).
+        `on_drop` is told which entries the index removed on its own (evicted, expired), so a change log can pass
+        that on to mirrors."""
         if max_entries < 1:
             raise ValueError(f"max_entries={max_entries} must be >= 1")
         self.max_entries = max_entries

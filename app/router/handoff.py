@@ -1,10 +1,11 @@
 """Decode handoff: an interactive request's first tokens on the hot lane, the rest of its answer on the cold lane.
 
 Why: on one GPU the hot lane's decode steps are what the lanes cost the batch work. Each hot step reads all the
-weights for the few interactive sequences it carries, on the GPU the cold lane needs (measured on the H200: the split alone costs nothing;
-serving interactive decode on the hot lane costs ~12 % of the batch; docs/history.md). In the cold
-lane's large batch steps a few more sequences cost almost nothing. So the hot lane keeps what users feel first, the
-time to the first token, and the cold lane decodes the rest at interactive priority, ahead of every batch request.
+weights for the few interactive sequences it carries, on the GPU the cold lane needs (measured on the H200: the
+split alone costs nothing; serving interactive decode on the hot lane costs ~12 % of the batch; docs/history.md). In
+the cold lane's large batch steps a few more sequences cost almost nothing. So the hot lane keeps what users feel
+first, the time to the first token, and the cold lane decodes the rest at interactive priority, ahead of every batch
+request.
 The price is the interactive request's time per output token: the cold lane's step time instead of the hot lane's.
 
 The cold lane gets no KV from the hot lane: it recomputes the prompt plus the tokens already sent (a short prefill
