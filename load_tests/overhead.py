@@ -380,7 +380,7 @@ def render_overheads(report: dict[str, Any]) -> str:
         "| path | requests (ok) | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | errors |",
         "|---|---|---|---|---|",
     ]
-    front = "HAProxy" if settings.get("haproxy") else "the proxy"
+    front = front_door(settings)
     rows = [(f"Router: HTTP /v1/completions via {front}", http)]
     if overhead.get("direct"):
         rows.append(("Router: HTTP /v1/completions, direct ingress", overhead["direct"]))

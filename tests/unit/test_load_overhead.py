@@ -301,7 +301,7 @@ def test_markdown_with_the_direct_ingress_path(haproxy):
     assert "| Router: HTTP /v1/completions, direct ingress | 10 (10) | 11 / 35 |" in markdown
     assert "| **Router overhead**, direct ingress (difference) | | **+1.0** / +5.0 |" in markdown
     assert "## Request-rate ceiling, direct ingress" in markdown and "**Ceiling: 600.0 req/s**" in markdown
-    front = "HAProxy" if haproxy else "the proxy"
+    front = "HAProxy" if haproxy else "the HTTP proxy"
     assert f"| Router: HTTP /v1/completions via {front} | 10 (10) | 12 / 40 |" in markdown
     assert f"through {'HAProxy' if haproxy else 'the HTTP proxy'} and the Router;" in markdown
     for table in markdown.split("\n\n"):
