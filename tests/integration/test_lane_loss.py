@@ -114,10 +114,14 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
         warmed = await flex_reaches_every_cold_replica(client, lane_loss_app.url, served_model)
         assert len(warmed) == COLD_REPLICAS, f"flex requests reached only {sorted(warmed)}"
         killer = await asyncio.to_thread(ReplicaKiller, "ColdLane", only=False)
-        workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
-        workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
-        # The prefix cache's affinity can keep every flex request on one replica: the one answering is killed.
-        kill = await run_load_around(load, workers, killer, "flex", settle_s=8, after_s=25, by_last_answer=True)
+        try:
+            workers = [asyncio.create_task(load.flex_forever(client)) for _ in range(6)]
+            workers += [asyncio.create_task(load.stream_forever(client, i)) for i in range(2)]
+            # The prefix cache's affinity can keep every flex request on one replica: the one answering is killed.
+            kill = await run_load_around(load, workers, killer, "flex", settle_s=8, after_s=25,
+                                         by_last_answer=True)
+        finally:
+            killer.close()
     flex = [o for o in load.outcomes if o.kind == "flex"]
     cold_replicas = {o.replica for o in flex if o.replica}
     across = [o for o in flex if o.started < kill.killed_at and o.ended > kill.sent_at]
@@ -137,9 +141,12 @@ async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lan
     assert wait_until(lambda: all_replicas_running(lane_loss_app), timeout_s=240)
     load = Load(lane_loss_app.url, served_model)
     killer = ReplicaKiller("Router", only=False)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30)) as client:
-        workers = [asyncio.create_task(load.stream_forever(client, i)) for i in range(6)]
-        kill = await run_load_around(load, workers, killer, "stream", settle_s=6, after_s=15)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30)) as client:
+            workers = [asyncio.create_task(load.stream_forever(client, i)) for i in range(6)]
+            kill = await run_load_around(load, workers, killer, "stream", settle_s=6, after_s=15)
+    finally:
+        killer.close()
     killed = kill.name.rsplit("#", 1)[-1]  # SERVE_REPLICA::app#Router#<unique id>, as x-llm-lanes-router names it
     # In flight while the kill was under way (between ray.kill's call and its return: the replica may die anywhere in
     # it, and on a busy host the call can take seconds).
