@@ -19,14 +19,18 @@ from tests.integration.conftest import (TEST_HOT_MAX_NUM_SEQS, TEST_INTERACTIVE_
                                         lane_stats, local_test_document, wait_until, wait_until_async)
 
 
-async def first_token_time(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None):
-    """(monotonic time of the first content chunk or None, status, response headers), reading the stream to its end."""
+async def first_token_time(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None,
+                           on_first_token=None):
+    """(monotonic time of the first content chunk or None, status, response headers), reading the stream to its end.
+    `on_first_token(response headers)` is called as the first content chunk arrives."""
     first = None
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                              headers=headers or {}) as response:
         async for line in response.aiter_lines():
             if first is None and line.startswith("data: {") and '"text"' in line:
                 first = time.monotonic()
+                if on_first_token is not None:
+                    on_first_token(response.headers)
         return first, response.status_code, response.headers
 
 
@@ -58,26 +62,35 @@ def router_stats(url: str) -> dict:
     return httpx.get(f"{url}/v1/admin/stats", timeout=30).json()["router"]
 
 
-async def first_and_last_token_time(client: httpx.AsyncClient, url: str, body: dict):
+async def first_and_last_token_time(client: httpx.AsyncClient, url: str, body: dict, on_first_token=None):
     """(first content chunk time, end of stream time, status, headers) of a streamed completion."""
-    first, status, headers = await first_token_time(client, url, body)
+    first, status, headers = await first_token_time(client, url, body, on_first_token=on_first_token)
     return first, time.monotonic(), status, headers
 
 
 async def test_realtime_never_waits_for_the_hot_lanes_interactive_slots(app_url, served_model):
     slots = router_stats(app_url)["hot_slots"]
+    # Nothing here blocks the event loop that reads the streams: the times compared below are when each stream's
+    # chunks arrived. (An admin-stats call in between, synchronous and seconds long on a busy host, once held every
+    # reader and the realtime request back until the interactive stream had ended.)
+    streaming_on_hot = asyncio.Event()
+
+    def note_lane(response_headers) -> None:
+        if response_headers.get("x-llm-lanes-lane") == "hot":
+            streaming_on_hot.set()
+
     async with httpx.AsyncClient(timeout=120) as client:
         # Three times the hot engine's max_num_seqs in long interactive streams: the hot lane takes the Router's
         # share of its slots; the rest wait for one, spill to the cold lane or are refused (429).
         interactive = [asyncio.create_task(first_and_last_token_time(
-            client, app_url, long_body(served_model, "default", 1200))) for _ in range(3 * TEST_HOT_MAX_NUM_SEQS)]
-        # Until they hold the hot slots (a hot replica short of KV headroom may send them to the cold lane instead).
-        await wait_until_async(lambda: router_stats(app_url)["hot_slots"]["in_flight"] >= slots["limit"],
-                               timeout_s=30)
-        waiting = router_stats(app_url)["hot_slots"]["waiting"]
+            client, app_url, long_body(served_model, "default", 1200), on_first_token=note_lane))
+            for _ in range(3 * TEST_HOT_MAX_NUM_SEQS)]
+        # Once an interactive stream holds a hot slot (its first token came from the hot lane).
+        await asyncio.wait_for(streaming_on_hot.wait(), timeout=60)
         realtime_sent = time.monotonic()
         realtime_first, status, headers = await first_token_time(
             client, app_url, long_body(served_model, "priority", 8))
+        hot_slots = (await asyncio.to_thread(router_stats, app_url))["hot_slots"]
         results = await asyncio.gather(*interactive)
     assert status == 200 and headers["x-llm-lanes-request-class"] == "realtime"
     assert headers["x-llm-lanes-lane"] == "hot"
@@ -86,12 +99,13 @@ async def test_realtime_never_waits_for_the_hot_lanes_interactive_slots(app_url,
     on_hot = [(first, last) for first, last, status_, response_headers in results
               if status_ == 200 and response_headers["x-llm-lanes-lane"] == "hot"
               and last > realtime_sent + STREAM_END_MARGIN_S]
-    # Realtime did not wait for an interactive request to give its hot slot back: its first token came before the
-    # first of the interactive streams still running on the hot lane well after it was sent ended. (A stream that
-    # ended within the margin may end before realtime's first token without realtime having waited for it.)
-    if on_hot:
-        assert realtime_first < min(last for _, last in on_hot), (waiting,
-                                                                  [last - realtime_first for _, last in on_hot])
+    # Realtime was sent while interactive streams held the hot slots, and did not wait for one to give its slot
+    # back: its first token came before the first of the interactive streams still running on the hot lane well
+    # after it was sent ended. (A stream that ended within the margin may end before realtime's first token without
+    # realtime having waited for it.)
+    assert on_hot, ("no interactive stream ran on the hot lane past the margin after realtime was sent", results)
+    assert realtime_first < min(last for _, last in on_hot), (hot_slots, realtime_first - realtime_sent,
+                                                              [last - realtime_first for _, last in on_hot])
     # The hot engine never held more interactive work than the Router's slots.
     assert lane_stats(app_url)["hot"]["max_inflight_by_class"].get("interactive", 0) <= slots["limit"], slots
 
