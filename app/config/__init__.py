@@ -259,9 +259,9 @@ class AppConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         for lane_name in ("hot_lane", "cold_lane"):
-            if getattr(self, lane_name) is not None:
-                _check_lane(self, lane_name, getattr(self, lane_name))
-                lane = getattr(self, lane_name)
+            lane = getattr(self, lane_name)
+            if lane is not None:
+                _check_lane(self, lane_name, lane)
                 if (self.prefix_cache.feed == "kv_events" and self.keeps_prefix_index(lane)
                         and not lane.engine.enable_prefix_caching):
                     raise ValueError(
