@@ -287,10 +287,15 @@ def front_door(settings: dict[str, Any]) -> str:
     return "HAProxy" if settings.get("haproxy") else "the HTTP proxy"
 
 
+def errors_cell(errors: dict[str, int]) -> str:
+    """A table cell of error counts by kind ("none" when there were none)."""
+    return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "none"
+
+
 def rate_level_row(level: dict[str, Any]) -> str:
     """One rate level as a table row: concurrency, client processes, requests (ok), req/s, E2E p50 / p99, the busiest
     client's CPU, errors."""
-    errors = ", ".join(f"{k}: {v}" for k, v in level["errors"].items()) or "none"
+    errors = errors_cell(level["errors"])
     return (f"| {level['concurrency']} | {level.get('clients', 1)} | {level['requests']} ({level['ok']}) | "
             f"{_num(level['requests_per_s'], 1)} | {_p50_p99(level['e2e_ms'])} | "
             f"{_num(level['client_cpu_per_wall_s'], 2)} | {errors} |")
@@ -386,7 +391,7 @@ def render_overheads(report: dict[str, Any]) -> str:
         rows.append(("Router: HTTP /v1/completions, direct ingress", overhead["direct"]))
     rows.append(("HotLane handle, direct", handle))
     for title, summary in rows:
-        errors = ", ".join(f"{k}: {v}" for k, v in summary["errors"].items()) or "none"
+        errors = errors_cell(summary["errors"])
         lines.append(f"| {title} | {summary['requests']} ({summary['ok']}) | {_p50_p99(summary['ttft_ms'])} | "
                      f"{_p50_p99(summary['e2e_ms'])} | {errors} |")
     lines.append(f"| **Router overhead** via {front} (difference) | | **{_delta(diff['ttft_p50_ms'])}** / "
