@@ -17,7 +17,8 @@ Documented differences, not compared: ids, `created`, `system_fingerprint`, tool
 the app's `x-llm-lanes-*` headers, `usage.prompt_tokens_details` (the prefix cache of each engine has seen different
 requests), how a stream is cut into chunks (the text, logprobs and tool calls they add up to are compared), and
 error messages (status and parameter are compared; vLLM's server names a field FastAPI refused as "body.<field>",
-the app as "<field>"). Every request sets max_tokens: without it the app answers at most
+the app as "<field>"), and fields vLLM's request models do not know (UNRECOGNIZED: vLLM's server ignores them, the
+app refuses them naming the field; checked as such). Every request sets max_tokens: without it the app answers at most
 `router.default_max_tokens` tokens where vLLM's server fills the context. A `json_schema` answer that finishes is
 also validated against its schema.
 """
@@ -92,7 +93,7 @@ REQUESTS = [
     completion(prompt=["first prompt", "second prompt"], max_tokens=6),
     completion(n=2, temperature=1.0, seed=5),
     completion(n=3, temperature=0.9, seed=9, logprobs=1, max_tokens=6),
-    completion(best_of=3, n=1, temperature=1.0, seed=21),
+    completion(best_of=2, n=2, temperature=1.0, seed=21),
     completion(response_format={"type": "json_object"}, max_tokens=24),
     completion(response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
                max_tokens=40),
@@ -136,6 +137,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hello", "max_tokens": 4}),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}),
     ("/v1/completions", {"model": "not-served", "prompt": "x", "max_tokens": 4}),
+]
+
+# Fields vLLM's request models do not know: vLLM's server answers as if they were absent (a warning in its log), the
+# app refuses each with 400 naming it (README, "Supported surface").
+UNRECOGNIZED = [
+    ("temprature", chat(temprature=0)), ("max_token", completion(max_token=3)),
+    ("functions", chat(functions=[WEATHER_TOOL["function"]])), ("store", chat(store=True)),
+    ("metadata", chat(metadata={"team": "search"})), ("best_of", completion(best_of=3, n=1)),
 ]
 
 
@@ -321,6 +330,22 @@ def compare_refusals(app_url: str, vllm_url: str, model: str) -> list[str]:
     return mismatches
 
 
+def compare_unrecognized(app_url: str, vllm_url: str, model: str) -> list[str]:
+    """Every request of UNRECOGNIZED to both: vLLM's server answers 200, the app 400 `unrecognized_argument` naming
+    the field."""
+    mismatches = []
+    for field, (path, body) in UNRECOGNIZED:
+        path, body = expanded(path, body, model)
+        ours = httpx.post(f"{app_url}{path}", json=body, timeout=60)
+        theirs = httpx.post(f"{vllm_url}{path}", json=body, timeout=60)
+        error = ours.json().get("error") or {}
+        if (ours.status_code, error.get("param"), error.get("code")) != (400, field, "unrecognized_argument") \
+                or theirs.status_code != 200:
+            mismatches.append(f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {error}\n"
+                              f"  vLLM {theirs.status_code}: {theirs.text[:200]}")
+    return mismatches
+
+
 def vllm_server_command(document: dict[str, Any], port: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's own OpenAI server for a serve config: its hot lane's engine arguments and the app's model settings
     (tool-call parser, auto tool choice, chat template, reasoning parser); (command, environment it needs)."""
@@ -349,8 +374,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"- serve config: `{report['serve_config']}`; vLLM {report['vllm_version']}",
              ("- answers: not sent (--refusals-only)" if report.get("refusals_only") else
               f"- answers: {report['compared']} requests compared, {len(report['answer_problems'])} differ"),
-             f"- refusals: {len(BAD_REQUESTS)} bad requests sent, {len(report['refusal_problems'])} refused "
-             "differently", ""]
+             f"- refusals: {len(BAD_REQUESTS)} bad requests sent, {len(UNRECOGNIZED)} with a field vLLM's models "
+             f"do not know; {len(report['refusal_problems'])} answered otherwise than expected", ""]
     for title, problems in (("Answers that differ", report["answer_problems"]),
                             ("Refusals that differ", report["refusal_problems"])):
         if problems:
@@ -402,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
         print(f"vLLM's server ready after {server.wait_ready():.0f} s", flush=True)
         compared, answer_problems = (0, []) if args.refusals_only else compare_answers(url, vllm_url, model)
-        refusal_problems = compare_refusals(url, vllm_url, model)
+        refusal_problems = compare_refusals(url, vllm_url, model) + compare_unrecognized(url, vllm_url, model)
     except AppStartError as error:
         print(error, file=sys.stderr)
         return 1

@@ -62,3 +62,43 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     message = first["msg"].removeprefix("Value error, ")
     status = 400 if first.get("type") in REFUSED_VALUE_ERRORS else 422
     return OpenAIError(status, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+# Fields outside vLLM's request models that the Router honours itself: the request class.
+ROUTER_FIELDS = frozenset({"service_tier"})
+# A body of thousands of unknown fields gets an error of a few names, not a copy of the body.
+_NAMES_LISTED = 5
+# What to use instead, for OpenAI fields that vLLM's models lack.
+_INSTEAD = {"functions": "use tools", "function_call": "use tool_choice",
+            "store": "this server stores no completions", "metadata": "it tags stored completions, and none are stored",
+            "best_of": "this server returns the n choices it samples, no more: set n"}
+
+
+def _asks_for_what_is_done(name: str, value: Any, n: int) -> bool:
+    """An OpenAI field vLLM's models lack, set to what this server does anyway: `store: false` (no completion is
+    stored), `best_of` equal to `n` (no candidates beyond the choices returned)."""
+    if name == "store":
+        return value is False or value is None
+    if name == "best_of":
+        return value is None or (type(value) is int and value == n)
+    return False
+
+
+def unrecognized_arguments(extra: dict[str, Any], honoured: frozenset[str] = ROUTER_FIELDS,
+                           n: int = 1) -> OpenAIError | None:
+    """The client's fields that vLLM's request model does not know (its `model_extra`): vLLM's server ignores them
+    with a warning in its log; here they are refused, as OpenAI's API refuses them, so a misspelt `temprature` or an
+    OpenAI feature this server lacks does not silently change the answer. None when every field is honoured.
+    `honoured`: the fields the Router reads itself on this endpoint; `n`: the request's number of choices."""
+    unknown = sorted(name for name, value in extra.items()
+                     if name not in honoured and not _asks_for_what_is_done(name, value, n))
+    if not unknown:
+        return None
+    first = unknown[0]
+    listed = ", ".join(unknown[:_NAMES_LISTED]) + (f" and {len(unknown) - _NAMES_LISTED} more"
+                                                   if len(unknown) > _NAMES_LISTED else "")
+    message = (f"Unrecognized request argument supplied: {listed}" if len(unknown) == 1
+               else f"Unrecognized request arguments supplied: {listed}")
+    if first in _INSTEAD:
+        message += f" ({first}: {_INSTEAD[first]})"
+    return OpenAIError(400, message, param=first, code="unrecognized_argument")

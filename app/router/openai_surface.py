@@ -346,6 +346,9 @@ class OpenAISurface:
             raise _validation_error(error) from None
         except Exception as error:  # vLLM's own checks (VLLMValidationError and the like) outside pydantic's
             raise _error_from_exception(error) from None
+        unrecognized = api.unrecognized_arguments(request.model_extra or {}, n=getattr(request, "n", None) or 1)
+        if unrecognized is not None:
+            raise unrecognized
         if getattr(request, "priority", 0):
             # The request class sets the engine priority here (realtime, interactive, batch; spills adjust it).
             raise api.OpenAIError(400, "priority: the engine priority follows the request class here: ask for a "
@@ -429,6 +432,9 @@ class OpenAISurface:
             raise api.OpenAIError(400, "the body holds a lone UTF-16 surrogate, which is not text")
         try:
             request = model.model_validate(body)
+            unrecognized = api.unrecognized_arguments(request.model_extra or {}, honoured=frozenset())
+            if unrecognized is not None:
+                raise unrecognized
             result = await call(request, None)
         except ValidationError as error:
             raise _validation_error(error) from None

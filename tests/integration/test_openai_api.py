@@ -60,6 +60,16 @@ def test_completion_accepts_token_ids(openai_client, served_model):
     assert answer.usage.prompt_tokens == 4
 
 
+def test_a_misspelt_field_is_refused_naming_it_not_ignored(openai_client, served_model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model=served_model, messages=CHAT, max_tokens=4,
+                                              extra_body={"temprature": 0})
+    assert refused.value.body["param"] == "temprature" and refused.value.body["code"] == "unrecognized_argument"
+    answer = openai_client.chat.completions.create(model=served_model, messages=CHAT, max_tokens=4, store=False,
+                                                   service_tier="flex")
+    assert answer.choices[0].message.content
+
+
 def class_count(replica_stats: dict, counter: str, request_class: str) -> int:
     """One per-class counter (served_by_class, aborted_by_class) of a lane replica's /v1/admin/stats entry."""
     return replica_stats[counter].get(request_class, 0)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from load_tests.openai_differential import compare_answers, compare_refusals, vllm_server_command
+from load_tests.openai_differential import (compare_answers, compare_refusals, compare_unrecognized,
+                                            vllm_server_command)
 from load_tests.serve_runner import ServedApp
 from tests.integration.conftest import local_test_document
 
@@ -52,4 +53,9 @@ def test_the_app_answers_as_vllms_own_server(app_url, vllm_server, served_model)
 
 def test_what_vllms_server_refuses_the_app_refuses_alike(app_url, vllm_server, served_model):
     problems = compare_refusals(app_url, vllm_server, served_model)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_field_vllms_server_ignores_the_app_refuses_naming_it(app_url, vllm_server, served_model):
+    problems = compare_unrecognized(app_url, vllm_server, served_model)
     assert not problems, "\n".join(problems)

@@ -284,3 +284,47 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(tmp_path):
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
         small = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert small.status_code == 200
+
+
+# ---- fields vLLM's request models do not know -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    (CHAT, chat(temprature=0), "temprature"),
+    (COMPLETION, completion(max_token=3), "max_token"),
+    (CHAT, chat(functions=[{"name": "f", "parameters": {}}]), "functions"),
+    (CHAT, chat(store=True), "store"),
+    (CHAT, chat(store=False, metadata={"team": "a"}), "metadata"),
+    (COMPLETION, completion(zeta=1, alpha=2), "alpha"),
+])
+def test_a_field_that_vllms_models_do_not_know_is_refused_naming_it(router, endpoint, fields, param):
+    sent = len(router.lanes["hot"].requests) + len(router.lanes["cold"].requests)
+    error = refusal(router, endpoint, fields)
+    assert (error.status, error.param, error.code) == (400, param, "unrecognized_argument"), error.body()
+    assert param in error.message
+    assert len(router.lanes["hot"].requests) + len(router.lanes["cold"].requests) == sent
+
+
+@pytest.mark.parametrize("fields", [chat(service_tier="flex"), chat(store=False), chat(store=None), chat(user="u-1")])
+def test_fields_the_router_honours_outside_vllms_models_are_accepted(router, fields):
+    answer = asyncio.run(router.pipeline.answer(CHAT, fields))
+    assert answer.response["choices"][0]["message"]["content"]
+
+
+def test_an_unrecognized_argument_error_names_a_few_fields_not_all():
+    error = api.unrecognized_arguments({f"field_{i:04d}": i for i in range(5000)})
+    assert error.param == "field_0000"
+    assert "field_0004" in error.message and "field_0005" not in error.message
+    assert "and 4995 more" in error.message and len(error.message) < 200
+    assert api.unrecognized_arguments({"service_tier": "flex", "store": False}) is None
+    assert api.unrecognized_arguments({"store": 0}).param == "store"
+
+
+def test_tokenize_and_detokenize_round_trip_and_refuse_fields_they_do_not_know(router):
+    surface = router.pipeline.surface
+    tokens = asyncio.run(surface.tokenize({"model": "tiny", "prompt": "hello world"}))
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = asyncio.run(surface.detokenize({"model": "tiny", "tokens": tokens["tokens"]}))
+    assert text["prompt"].strip() == "hello world"
+    with pytest.raises(api.OpenAIError) as refused:
+        asyncio.run(surface.tokenize({"model": "tiny", "prompt": "hi", "service_tier": "flex"}))
+    assert (refused.value.status, refused.value.param) == (400, "service_tier")
