@@ -77,14 +77,20 @@ class SqlBatchStore(SqlLineStore):
                      metadata: dict[str, str] | None = None, tenant: str = DEFAULT_TENANT) -> BatchRecord:
         try:
             shapes.check_endpoint(endpoint)
+        except ValueError as error:
+            raise InvalidRequestError(str(error), param="endpoint") from None
+        try:
             window_s = shapes.completion_window_seconds(completion_window)
         except ValueError as error:
-            raise InvalidRequestError(str(error)) from None
-        input_file = self.get_file(input_file_id, tenant)
+            raise InvalidRequestError(str(error), param="completion_window") from None
+        try:
+            input_file = self.get_file(input_file_id, tenant)
+        except NotFoundError as error:
+            raise NotFoundError(str(error), param="input_file_id") from None
         if input_file.purpose != shapes.BATCH_FILE_PURPOSE:
             raise InvalidRequestError(
-                f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'"
-            )
+                f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'",
+                param="input_file_id")
         valid, rejected = shapes.parse_batch_file(self.file_content(input_file_id), endpoint)
         now = self._now()
         batch_id = shapes.new_batch_id()

@@ -40,7 +40,11 @@ FINISHED_BATCH_STATUSES = shapes.TERMINAL_BATCH_STATUSES
 
 
 class BatchStoreError(Exception):
-    pass
+    """`param`: the request field the error is about, where one is (the API names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class NotFoundError(BatchStoreError):

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from app.batch import openai_shapes as batch_shapes
 from app.batch.store import BatchStoreError, ClaimedLine, ConflictError, NotFoundError
@@ -31,6 +31,9 @@ BATCH_LANE_DOWN_MAX_WAIT_S = 600.0
 
 
 class CreateBatchRequest(BaseModel):
+    # A field OpenAI's Batches API does not have is refused naming it, not ignored (a misspelt completion_window).
+    model_config = ConfigDict(extra="forbid")
+
     input_file_id: str
     endpoint: str
     completion_window: str = DEFAULT_BATCH_COMPLETION_WINDOW
@@ -39,7 +42,8 @@ class CreateBatchRequest(BaseModel):
 
 def openai_error_from_store(error: BatchStoreError) -> api.OpenAIError:
     status = 404 if isinstance(error, NotFoundError) else 409 if isinstance(error, ConflictError) else 400
-    return api.OpenAIError(status, str(error), code={404: "not_found", 409: "conflict"}.get(status))
+    return api.OpenAIError(status, str(error), param=error.param,
+                           code={404: "not_found", 409: "conflict"}.get(status))
 
 
 async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:

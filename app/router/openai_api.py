@@ -59,6 +59,9 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
         return OpenAIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                            code="invalid_json")
     param = _param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        unknown = [_param(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+        return unrecognized_arguments(dict.fromkeys(unknown), honoured=frozenset())
     message = first["msg"].removeprefix("Value error, ")
     status = 400 if first.get("type") in REFUSED_VALUE_ERRORS else 422
     return OpenAIError(status, f"{param}: {message}" if param else message, param=param, code="invalid_value")

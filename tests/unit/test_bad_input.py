@@ -328,3 +328,25 @@ def test_tokenize_and_detokenize_round_trip_and_refuse_fields_they_do_not_know(r
     with pytest.raises(api.OpenAIError) as refused:
         asyncio.run(surface.tokenize({"model": "tiny", "prompt": "hi", "service_tier": "flex"}))
     assert (refused.value.status, refused.value.param) == (400, "service_tier")
+
+
+def test_a_batch_is_refused_naming_the_field_that_is_wrong_or_unknown(tmp_path):
+    from app.batch.store import BatchStoreError
+    from app.router.batch_api import BATCH_ROUTES, openai_error_from_store
+
+    app = make_http_app({BatchStoreError: openai_error_from_store})
+    router = make_router(tmp_path)
+    for name in ("upload_file", "create_batch"):
+        BATCH_ROUTES[name](app)(getattr(router, name))
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x"}}'
+    with TestClient(app) as client:
+        file_id = client.post("/v1/files", files={"file": ("in.jsonl", line)}, data={"purpose": "batch"}).json()["id"]
+        batch = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+        for body, status, param in [
+                ({**batch, "completion_windw": "1h"}, 400, "completion_windw"),
+                ({**batch, "input_file_id": "file-nope"}, 404, "input_file_id"),
+                ({**batch, "endpoint": "/v1/embeddings"}, 400, "endpoint"),
+                ({**batch, "completion_window": "soon"}, 400, "completion_window")]:
+            answer = client.post("/v1/batches", json=body)
+            assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
+        assert client.post("/v1/batches", json=batch).json()["status"] == "in_progress"

@@ -58,8 +58,9 @@ def test_files_round_trip_and_unknown_ids(store_factory):
         store.file_content("file-nope")
     with pytest.raises(NotFoundError):
         store.get_batch("batch_nope")
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFoundError) as missing:
         store.create_batch("file-nope", ENDPOINT, WINDOW)
+    assert missing.value.param == "input_file_id"
 
 
 def test_files_are_listed_newest_first_and_deleted(store_factory):
@@ -81,13 +82,16 @@ def test_files_are_listed_newest_first_and_deleted(store_factory):
 def test_create_batch_rejects_bad_arguments(store_factory):
     store = store_factory()
     good = store.create_file("batch", "in.jsonl", jsonl_bytes([chat_line("a")]))
-    with pytest.raises(InvalidRequestError, match="endpoint"):
+    with pytest.raises(InvalidRequestError, match="endpoint") as refused:
         store.create_batch(good.id, "/v1/embeddings", WINDOW)
-    with pytest.raises(InvalidRequestError, match="completion_window"):
+    assert refused.value.param == "endpoint"
+    with pytest.raises(InvalidRequestError, match="completion_window") as refused:
         store.create_batch(good.id, ENDPOINT, completion_window="soon")
+    assert refused.value.param == "completion_window"
     other = store.create_file("assistants", "x.jsonl", jsonl_bytes([chat_line("a")]))
-    with pytest.raises(InvalidRequestError, match="purpose"):
+    with pytest.raises(InvalidRequestError, match="purpose") as refused:
         store.create_batch(other.id, ENDPOINT, WINDOW)
+    assert refused.value.param == "input_file_id"
 
 
 def test_create_batch_queues_valid_lines_and_fails_bad_ones(store_factory):
