@@ -368,9 +368,10 @@ class LaneCall:
         return True
 
     def _deadline_error(self) -> api.OpenAIError:
-        return api.OpenAIError(504, f"the request exceeded its {self.timeout_s:.0f} s deadline for the "
-                                    f"{self.request_class.value} class and was aborted", type="timeout_error",
-                               code="deadline_exceeded")
+        whose = ("of its X-Request-Timeout header" if self._deadline_is_clients
+                 else f"for the {self.request_class.value} class")
+        return api.OpenAIError(504, f"the request exceeded its {self.timeout_s:.3g} s deadline {whose} and was "
+                                    f"aborted", type="timeout_error", code="deadline_exceeded")
 
     def _as_openai_error(self, error: BaseException) -> BaseException:
         if isinstance(error, asyncio.CancelledError):

@@ -195,6 +195,7 @@ async def test_the_clients_own_short_deadline_is_a_504_that_no_breaker_counts():
             await pipeline.start(COMPLETION, generation(),
                                  client_timeout_s=0.01)
         assert late.value.status == 504
+        assert "0.01 s deadline of its X-Request-Timeout header" in late.value.message
     assert all(b.state is BreakerState.CLOSED for b in pipeline.control.breakers.values())
 
 
