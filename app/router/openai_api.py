@@ -1,9 +1,15 @@
-"""OpenAI-shaped errors, and what the Router checks of a body before vLLM's protocol models see it. Pure: no Ray,
-no vLLM, no FastAPI app state. Requests and answers themselves are vLLM's (app/router/openai_surface.py)."""
+"""OpenAI-shaped errors, and what the Router checks of a body around vLLM's protocol models: before them (lone
+surrogates), and after them (the fields they kept aside as unknown). Pure: no Ray, no vLLM import (vLLM's models
+are passed in), no FastAPI app state. Requests and answers themselves are vLLM's (app/router/openai_surface.py)."""
 
 from __future__ import annotations
 
+import functools
+import typing
+from collections.abc import Iterator
 from typing import Any
+
+from pydantic import BaseModel
 
 
 class OpenAIError(Exception):
@@ -105,3 +111,47 @@ def unrecognized_arguments(extra: dict[str, Any], honoured: frozenset[str] = ROU
     if first in _INSTEAD:
         message += f" ({first}: {_INSTEAD[first]})"
     return OpenAIError(400, message, param=first, code="unrecognized_argument")
+
+
+def extra_fields(model: BaseModel, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted name, value) of every field that vLLM's request models kept aside as unknown (their `extra="allow"`),
+    at any depth: `frobnicate`, `stream_options.include_usag`, `tools.0.x`."""
+    for name, value in (model.model_extra or {}).items():
+        yield f"{path}{name}", value
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from extra_fields(value, f"{path}{name}.")
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            for index, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from extra_fields(item, f"{path}{name}.{index}.")
+
+
+@functools.cache
+def message_keys(request_model: type) -> frozenset[str]:
+    """Every key a chat message may have in vLLM's request model: those of the message types its `messages` union
+    names (TypedDicts, or pydantic models with their aliases). vLLM validates a message against that union and drops
+    the keys none of them has."""
+    keys: set[str] = set()
+    pending = list(typing.get_args(request_model.model_fields["messages"].annotation))
+    while pending:
+        member = pending.pop()
+        if typing.get_args(member):
+            pending.extend(typing.get_args(member))
+        elif isinstance(member, type) and issubclass(member, BaseModel):
+            keys.update(name for name in member.model_fields)
+            keys.update(field.alias for field in member.model_fields.values() if field.alias)
+        elif hasattr(member, "__required_keys__"):
+            keys.update(member.__required_keys__ | member.__optional_keys__)
+    return frozenset(keys)
+
+
+def unknown_message_keys(messages: Any, known: frozenset[str]) -> Iterator[tuple[str, Any]]:
+    """(`messages.<i>.<key>`, value) for each message key no message type has (a misspelt `contnet`)."""
+    if not isinstance(messages, list):
+        return
+    for index, message in enumerate(messages):
+        if isinstance(message, dict):
+            for key in message.keys() - known:
+                yield f"messages.{index}.{key}", message[key]

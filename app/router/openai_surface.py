@@ -346,7 +346,10 @@ class OpenAISurface:
             raise _validation_error(error) from None
         except Exception as error:  # vLLM's own checks (VLLMValidationError and the like) outside pydantic's
             raise _error_from_exception(error) from None
-        unrecognized = api.unrecognized_arguments(request.model_extra or {}, n=getattr(request, "n", None) or 1)
+        unknown = dict(api.extra_fields(request))
+        if endpoint.chat:
+            unknown.update(api.unknown_message_keys(body.get("messages"), api.message_keys(type(request))))
+        unrecognized = api.unrecognized_arguments(unknown, n=getattr(request, "n", None) or 1)
         if unrecognized is not None:
             raise unrecognized
         if getattr(request, "priority", 0):
@@ -432,7 +435,7 @@ class OpenAISurface:
             raise api.OpenAIError(400, "the body holds a lone UTF-16 surrogate, which is not text")
         try:
             request = model.model_validate(body)
-            unrecognized = api.unrecognized_arguments(request.model_extra or {}, honoured=frozenset())
+            unrecognized = api.unrecognized_arguments(dict(api.extra_fields(request)), honoured=frozenset())
             if unrecognized is not None:
                 raise unrecognized
             result = await call(request, None)

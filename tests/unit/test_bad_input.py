@@ -296,6 +296,12 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(tmp_path):
     (CHAT, chat(store=True), "store"),
     (CHAT, chat(store=False, metadata={"team": "a"}), "metadata"),
     (COMPLETION, completion(zeta=1, alpha=2), "alpha"),
+    (CHAT, chat(stream=True, stream_options={"include_usag": True}), "stream_options.include_usag"),
+    (CHAT, chat(response_format={"type": "text", "foo": 1}), "response_format.foo"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strct": True}}]),
+     "tools.0.function.strct"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "contnet": "hi"}]},
+     "messages.1.contnet"),
 ])
 def test_a_field_that_vllms_models_do_not_know_is_refused_naming_it(router, endpoint, fields, param):
     sent = len(router.lanes["hot"].requests) + len(router.lanes["cold"].requests)
@@ -305,10 +311,31 @@ def test_a_field_that_vllms_models_do_not_know_is_refused_naming_it(router, endp
     assert len(router.lanes["hot"].requests) + len(router.lanes["cold"].requests) == sent
 
 
-@pytest.mark.parametrize("fields", [chat(service_tier="flex"), chat(store=False), chat(store=None), chat(user="u-1")])
-def test_fields_the_router_honours_outside_vllms_models_are_accepted(router, fields):
-    answer = asyncio.run(router.pipeline.answer(CHAT, fields))
-    assert answer.response["choices"][0]["message"]["content"]
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "d", "strict": True,
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("fields", [
+    chat(service_tier="flex"), chat(store=False), chat(store=None), chat(user="u-1"),
+    chat(stream_options={"include_usage": True}, stream=True),
+    chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"type": "object"}}}),
+    chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}}),
+    {"model": "tiny", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "weather?", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]},
+])
+def test_fields_of_vllms_models_and_those_the_router_honours_are_accepted(router, fields):
+    async def answered():
+        answer = await router.pipeline.answer(CHAT, fields)
+        if answer.events is not None:
+            return "".join([event async for event in answer.events])
+        return answer.response["choices"][0]["message"]["content"]
+
+    text = asyncio.run(answered())
+    assert text and "error" not in text
 
 
 def test_an_unrecognized_argument_error_names_a_few_fields_not_all():
