@@ -214,6 +214,19 @@ def test_grpc_an_empty_model_is_not_found_as_on_http(tmp_path):
     assert context.code == grpc.StatusCode.NOT_FOUND and "model" in context.details
 
 
+def test_grpc_an_openai_field_vllm_does_not_know_is_invalid_argument_naming_it(tmp_path):
+    from google.protobuf import struct_pb2
+
+    from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
+
+    fields = struct_pb2.Struct()
+    fields.update({"temprature": 0})
+    router = make_router(tmp_path)
+    context = FakeGrpcContext()
+    asyncio.run(router.Complete(pb.CompletionRequest(model="tiny", prompt="hello", openai_fields=fields), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "temprature" in context.details
+
+
 def test_tenant_weights_name_tenants_of_keys_with_weights_of_1_to_100():
     assert ring(tenant_weights={"team-a": 3}).tenants == {"team-a", "team-b", "ops"}
     with pytest.raises(KeySourceError, match=r"auth.tenant_weights names 'team-z', the tenant of no key"):
