@@ -134,6 +134,8 @@ class RouterConfig(StrictModel):
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     # Most chat messages in one request (400), checked before the chat template is rendered.
     max_messages: int = Field(10_000, ge=1)
+    # Most choices (`n`) in one request (400): each is a sequence the engine runs; OpenAI's API takes 128 at most.
+    max_choices: int = Field(128, ge=1)
 
 
 class PrefixCacheConfig(StrictModel):

@@ -360,9 +360,14 @@ class OpenAISurface:
         return request
 
     def check_bounds(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
-        """Refuse, before any tokenization, what is certainly over the limits: too many messages, or a prompt
-        whose text needs more than max_model_len tokens even if every token were the vocabulary's longest."""
+        """Refuse, before any tokenization, what is certainly over the limits: too many choices or messages, or a
+        prompt whose text needs more than max_model_len tokens even if every token were the vocabulary's longest."""
         limit = self.cfg.model.max_model_len
+        choices = body.get("n")
+        if type(choices) is int and choices > self.cfg.router.max_choices:
+            raise api.OpenAIError(400, f"n: {choices} choices is more than this server generates for one request "
+                                       f"({self.cfg.router.max_choices}, router.max_choices)",
+                                  param="n", code="too_many_choices")
         if endpoint.chat:
             messages = body.get("messages")
             if isinstance(messages, list) and len(messages) > self.cfg.router.max_messages:

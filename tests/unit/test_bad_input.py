@@ -76,6 +76,13 @@ def test_what_vllms_server_refuses_is_a_400_naming_its_parameter(router, endpoin
     assert not router.lanes["hot"].requests and not router.lanes["cold"].requests
 
 
+def test_more_choices_than_the_router_takes_are_refused_naming_n(router):
+    limit = router.pipeline.cfg.router.max_choices
+    error = refusal(router, COMPLETION, completion(n=limit + 1))
+    assert (error.status, error.param, error.code) == (400, "n", "too_many_choices")
+    assert "router.max_choices" in error.message
+
+
 def test_too_many_messages_are_refused_before_rendering(router):
     messages = [{"role": "user", "content": "x"}] * (router.pipeline.cfg.router.max_messages + 1)
     error = refusal(router, CHAT, {"model": "tiny", "messages": messages})
