@@ -89,7 +89,8 @@ def _asks_for_what_is_done(name: str, value: Any, n: int) -> bool:
     if name == "store":
         return value is False or value is None
     if name == "best_of":
-        return value is None or (type(value) is int and value == n)
+        # Any number type (gRPC carries JSON numbers as doubles), not a boolean.
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == n)
     return False
 
 

@@ -364,7 +364,9 @@ class OpenAISurface:
         prompt whose text needs more than max_model_len tokens even if every token were the vocabulary's longest."""
         limit = self.cfg.model.max_model_len
         choices = body.get("n")
-        if type(choices) is int and choices > self.cfg.router.max_choices:
+        # A number of any JSON type (gRPC's openai_fields carry every number as a double), not a boolean.
+        counted = isinstance(choices, (int, float)) and not isinstance(choices, bool)
+        if counted and choices > self.cfg.router.max_choices:
             raise api.OpenAIError(400, f"n: {choices} choices is more than this server generates for one request "
                                        f"({self.cfg.router.max_choices}, router.max_choices)",
                                   param="n", code="too_many_choices")

@@ -81,6 +81,7 @@ def test_more_choices_than_the_router_takes_are_refused_naming_n(router):
     error = refusal(router, COMPLETION, completion(n=limit + 1))
     assert (error.status, error.param, error.code) == (400, "n", "too_many_choices")
     assert "router.max_choices" in error.message
+    assert refusal(router, COMPLETION, completion(n=float(limit + 1))).code == "too_many_choices"
 
 
 def test_too_many_messages_are_refused_before_rendering(router):
@@ -352,6 +353,8 @@ def test_an_unrecognized_argument_error_names_a_few_fields_not_all():
     assert "and 4995 more" in error.message and len(error.message) < 200
     assert api.unrecognized_arguments({"service_tier": "flex", "store": False}) is None
     assert api.unrecognized_arguments({"store": 0}).param == "store"
+    assert api.unrecognized_arguments({"best_of": 2.0}, n=2) is None
+    assert api.unrecognized_arguments({"best_of": True}).param == "best_of"
 
 
 def test_tokenize_and_detokenize_round_trip_and_refuse_fields_they_do_not_know(router):
