@@ -83,9 +83,19 @@ _INSTEAD = {"functions": "use tools", "function_call": "use tool_choice",
             "best_of": "this server returns the n choices it samples, no more: set n"}
 
 
+# OpenAI fields that vLLM's models lack and that change no answer: an end user's id for abuse monitoring (as `user`,
+# which vLLM's models have) and a hint for which requests share a cache (prefix-affinity routing finds those itself).
+_NO_EFFECT_ON_THE_ANSWER = frozenset({"safety_identifier", "prompt_cache_key"})
+
+
 def _asks_for_what_is_done(name: str, value: Any, n: int) -> bool:
     """An OpenAI field vLLM's models lack, set to what this server does anyway: `store: false` (no completion is
-    stored), `best_of` equal to `n` (no candidates beyond the choices returned)."""
+    stored), `best_of` equal to `n` (no candidates beyond the choices returned), `modalities: ["text"]`; or one that
+    changes no answer (a string in `_NO_EFFECT_ON_THE_ANSWER`)."""
+    if name in _NO_EFFECT_ON_THE_ANSWER:
+        return isinstance(value, str)
+    if name == "modalities":
+        return value == ["text"]
     if name == "store":
         return value is False or value is None
     if name == "best_of":

@@ -355,6 +355,8 @@ def test_an_unrecognized_argument_error_names_a_few_fields_not_all():
     assert api.unrecognized_arguments({"store": 0}).param == "store"
     assert api.unrecognized_arguments({"best_of": 2.0}, n=2) is None
     assert api.unrecognized_arguments({"best_of": True}).param == "best_of"
+    assert api.unrecognized_arguments({"modalities": ["text"], "prompt_cache_key": "k", "safety_identifier": "u"}) is None
+    assert api.unrecognized_arguments({"modalities": ["text", "audio"]}).param == "modalities"
 
 
 def test_tokenize_and_detokenize_round_trip_and_refuse_fields_they_do_not_know(router):
