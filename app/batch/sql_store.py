@@ -156,7 +156,7 @@ class SqlBatchStore(SqlLineStore):
                     f"SELECT created_seq, id FROM llm_lanes_batches WHERE id = ?{where}", (after, *params)
                 ).fetchone()
                 if cursor_row is None:
-                    raise NotFoundError(f"No such batch: {after}")
+                    raise NotFoundError(f"No such batch: {after}", param="after")
                 rows = self._execute(
                     f"SELECT {_BATCH_COLUMNS} FROM llm_lanes_batches WHERE (created_seq < ? OR "
                     f"(created_seq = ? AND id < ?)){where} ORDER BY created_seq DESC, id DESC LIMIT ?",

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -71,10 +71,23 @@ def openai_error_response(error: api.OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+async def refuse_unknown_query_parameters(request: Request) -> None:
+    """A query parameter the route does not declare is refused naming it (400 `unrecognized_argument`), not ignored:
+    `GET /v1/files?order=asc` would otherwise list in the default order as if asked."""
+    if not request.scope.get("query_string"):
+        return
+    route = request.scope.get("route")
+    declared = {param.alias for param in route.dependant.query_params} if route is not None else set()
+    unknown = {name: value for name, value in request.query_params.items() if name not in declared}
+    if unknown:
+        raise api.unrecognized_arguments(unknown, honoured=frozenset())
+
+
 def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -> FastAPI:
     """The FastAPI app with OpenAI-shaped errors for everything: never a stack trace to the client.
     `extra_error_types` maps other exception types (e.g. the batch store's) to an OpenAIError factory."""
-    app = FastAPI(title="llm-lanes", docs_url="/docs", openapi_url="/openapi.json")
+    app = FastAPI(title="llm-lanes", docs_url="/docs", openapi_url="/openapi.json",
+                  dependencies=[Depends(refuse_unknown_query_parameters)])
     app.add_middleware(BodySizeLimit)
 
     @app.exception_handler(api.OpenAIError)

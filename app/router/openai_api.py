@@ -54,7 +54,9 @@ _UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
 
 
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _UNION_BRANCHES))]
+    # FastAPI puts where a parameter was ("body", "query", "path") first: the client knows it by its name alone.
+    loc = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_BRANCHES))]
     return ".".join(parts) or None
 
 

@@ -390,3 +390,23 @@ def test_a_batch_is_refused_naming_the_field_that_is_wrong_or_unknown(tmp_path):
             answer = client.post("/v1/batches", json=body)
             assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
         assert client.post("/v1/batches", json=batch).json()["status"] == "in_progress"
+
+
+def test_a_query_parameter_a_route_does_not_declare_is_refused_naming_it(tmp_path):
+    from app.batch.store import BatchStoreError
+    from app.router.batch_api import BATCH_ROUTES, openai_error_from_store
+
+    app = make_http_app({BatchStoreError: openai_error_from_store})
+    router = make_router(tmp_path)
+    for name in ("list_files", "list_batches"):
+        BATCH_ROUTES[name](app)(getattr(router, name))
+    HTTP_ROUTES["chat_completions"](app)(router.chat_completions)
+    with TestClient(app) as client:
+        for method, url, status, param in [
+                ("GET", "/v1/files?order=asc", 400, "order"), ("GET", "/v1/files?purpose=batch&after=f", 400, "after"),
+                ("GET", "/v1/batches?limit=0", 400, "limit"), ("GET", "/v1/batches?after=batch_nope", 404, "after"),
+                ("POST", "/v1/chat/completions?stream=true", 400, "stream")]:
+            answer = client.request(method, url, json=chat())
+            assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
+        assert client.get("/v1/files?purpose=batch&limit=5").status_code == 200
+        assert client.get("/v1/batches?limit=5").status_code == 200
