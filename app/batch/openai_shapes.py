@@ -91,6 +91,10 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"endpoint={endpoint!r} is not supported: use one of {list(SUPPORTED_ENDPOINTS)}")
 
 
+# What a line of a batch input file holds (OpenAI's format); anything else is refused, not ignored.
+LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+
+
 def parse_batch_line(raw: str | bytes, line_no: int, endpoint: str) -> ParsedLine:
     """Validate one JSONL line against the batch's endpoint; raises BatchLineError naming what is wrong."""
     try:
@@ -104,6 +108,10 @@ def parse_batch_line(raw: str | bytes, line_no: int, endpoint: str) -> ParsedLin
         raise BatchLineError(
             "missing_custom_id", f"line {line_no}: custom_id is required and must be a non-empty string"
         )
+    unknown = sorted(set(item) - LINE_FIELDS)
+    if unknown:
+        raise BatchLineError("unrecognized_argument", f"line {line_no}: unknown field(s) {unknown}: a line has "
+                                                      f"{sorted(LINE_FIELDS)}", custom_id)
     method = item.get("method")
     if method != "POST":
         raise BatchLineError("invalid_method", f"line {line_no}: method must be 'POST', got {method!r}", custom_id)

@@ -39,6 +39,7 @@ def test_parse_valid_chat_and_completion_lines():
     (line(body={"messages": []}), "missing_model"),
     (line(body={"model": "tiny"}), "invalid_body"),
     (line(body={"model": "tiny", "messages": [], "stream": True}), "invalid_body"),
+    (line(metadata={"a": 1}), "unrecognized_argument"),
 ])
 def test_parse_rejects_bad_lines_with_a_code(raw, code):
     with pytest.raises(shapes.BatchLineError) as error:
