@@ -80,7 +80,7 @@ async def refuse_unknown_query_parameters(request: Request) -> None:
     declared = {param.alias for param in route.dependant.query_params} if route is not None else set()
     unknown = {name: value for name, value in request.query_params.items() if name not in declared}
     if unknown:
-        raise api.unrecognized_arguments(unknown, honoured=frozenset())
+        raise api.unrecognized_arguments(unknown, honoured=frozenset(), completion_request=False)
 
 
 def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -> FastAPI:

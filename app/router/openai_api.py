@@ -69,7 +69,7 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         unknown = [_param(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
-        return unrecognized_arguments(dict.fromkeys(unknown), honoured=frozenset())
+        return unrecognized_arguments(dict.fromkeys(unknown), honoured=frozenset(), completion_request=False)
     message = first["msg"].removeprefix("Value error, ")
     status = 400 if first.get("type") in REFUSED_VALUE_ERRORS else 422
     return OpenAIError(status, f"{param}: {message}" if param else message, param=param, code="invalid_value")
@@ -107,13 +107,14 @@ def _asks_for_what_is_done(name: str, value: Any, n: int) -> bool:
 
 
 def unrecognized_arguments(extra: dict[str, Any], honoured: frozenset[str] = ROUTER_FIELDS,
-                           n: int = 1) -> OpenAIError | None:
+                           n: int = 1, completion_request: bool = True) -> OpenAIError | None:
     """The client's fields that vLLM's request model does not know (its `model_extra`): vLLM's server ignores them
     with a warning in its log; here they are refused, as OpenAI's API refuses them, so a misspelt `temprature` or an
     OpenAI feature this server lacks does not silently change the answer. None when every field is honoured.
-    `honoured`: the fields the Router reads itself on this endpoint; `n`: the request's number of choices."""
-    unknown = sorted(name for name, value in extra.items()
-                     if name not in honoured and not _asks_for_what_is_done(name, value, n))
+    `honoured`: the fields the Router reads itself on this endpoint; `n`: the request's number of choices;
+    `completion_request`: a chat or completion body, where OpenAI fields set to what is done anyway are taken."""
+    unknown = sorted(name for name, value in extra.items() if name not in honoured
+                     and not (completion_request and _asks_for_what_is_done(name, value, n)))
     if not unknown:
         return None
     first = unknown[0]

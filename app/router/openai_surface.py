@@ -442,7 +442,8 @@ class OpenAISurface:
             raise api.OpenAIError(400, "the body holds a lone UTF-16 surrogate, which is not text")
         try:
             request = model.model_validate(body)
-            unrecognized = api.unrecognized_arguments(dict(api.extra_fields(request)), honoured=frozenset())
+            unrecognized = api.unrecognized_arguments(dict(api.extra_fields(request)), honoured=frozenset(),
+                                                       completion_request=False)
             if unrecognized is not None:
                 raise unrecognized
             result = await call(request, None)

@@ -384,6 +384,7 @@ def test_a_batch_is_refused_naming_the_field_that_is_wrong_or_unknown(tmp_path):
         batch = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
         for body, status, param in [
                 ({**batch, "completion_windw": "1h"}, 400, "completion_windw"),
+                ({**batch, "store": None}, 400, "store"),
                 ({**batch, "input_file_id": "file-nope"}, 404, "input_file_id"),
                 ({**batch, "endpoint": "/v1/embeddings"}, 400, "endpoint"),
                 ({**batch, "completion_window": "soon"}, 400, "completion_window")]:
@@ -405,7 +406,8 @@ def test_a_query_parameter_a_route_does_not_declare_is_refused_naming_it(tmp_pat
         for method, url, status, param in [
                 ("GET", "/v1/files?order=asc", 400, "order"), ("GET", "/v1/files?purpose=batch&after=f", 400, "after"),
                 ("GET", "/v1/batches?limit=0", 400, "limit"), ("GET", "/v1/batches?after=batch_nope", 404, "after"),
-                ("POST", "/v1/chat/completions?stream=true", 400, "stream")]:
+                ("POST", "/v1/chat/completions?stream=true", 400, "stream"),
+                ("GET", "/v1/files?prompt_cache_key=k", 400, "prompt_cache_key")]:
             answer = client.request(method, url, json=chat())
             assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
         assert client.get("/v1/files?purpose=batch&limit=5").status_code == 200
