@@ -8,7 +8,7 @@ from app.batch.sql_common import _BATCH_COLUMNS, _batch_from_row, _dumps, _loads
 from app.batch.sql_lines import SqlLineStore
 from app.batch.store import (
     ACTIVE_BATCH_STATUSES, FINISHED_BATCH_STATUSES, LINE_CANCELLED, LINE_DONE, LINE_FAILED, LINE_LEASED, LINE_QUEUED,
-    DEFAULT_TENANT, BatchPage, BatchRecord, ConflictError, FileRecord, InvalidRequestError, NotFoundError,
+    DEFAULT_TENANT, BatchPage, BatchRecord, ConflictError, FilePage, FileRecord, InvalidRequestError, NotFoundError,
 )
 
 
@@ -53,17 +53,28 @@ class SqlBatchStore(SqlLineStore):
             raise NotFoundError(f"No such file: {file_id}")
         return bytes(row[0])
 
-    def list_files(self, purpose: str | None = None, limit: int = 10_000,
-                   tenant: str | None = None) -> list[FileRecord]:
-        where, params = tenant_clause(tenant)
+    def list_files(self, purpose: str | None = None, limit: int = 10_000, tenant: str | None = None,
+                   after: str | None = None, order: str = "desc") -> FilePage:
+        limit = max(1, int(limit))
+        tenant_where, tenant_params = tenant_clause(tenant)
+        where, params = tenant_where, tenant_params
         if purpose is not None:
             where, params = where + " AND purpose = ?", (*params, purpose)
+        direction, past = ("ASC", ">") if order == "asc" else ("DESC", "<")
         with self._lock:
+            if after is not None:
+                cursor_row = self._execute(f"SELECT created_at, id FROM llm_lanes_files WHERE id = ?{tenant_where}",
+                                           (after, *tenant_params)).fetchone()
+                if cursor_row is None:
+                    raise NotFoundError(f"No such file: {after}", param="after")
+                where += f" AND (created_at {past} ? OR (created_at = ? AND id {past} ?))"
+                params = (*params, cursor_row[0], cursor_row[0], cursor_row[1])
             rows = self._execute(
                 f"SELECT id, purpose, filename, bytes, created_at FROM llm_lanes_files WHERE 1 = 1{where} "
-                "ORDER BY created_at DESC, id DESC LIMIT ?", (*params, max(1, int(limit)))
+                f"ORDER BY created_at {direction}, id {direction} LIMIT ?", (*params, limit + 1)
             ).fetchall()
-        return [FileRecord(r[0], r[1], r[2], int(r[3]), int(r[4])) for r in rows]
+        return FilePage([FileRecord(r[0], r[1], r[2], int(r[3]), int(r[4])) for r in rows[:limit]],
+                        has_more=len(rows) > limit)
 
     def delete_file(self, file_id: str, tenant: str | None = None) -> None:
         where, params = tenant_clause(tenant)

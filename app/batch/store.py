@@ -151,6 +151,12 @@ class BatchPage:
     has_more: bool
 
 
+@dataclass(frozen=True)
+class FilePage:
+    data: list[FileRecord]
+    has_more: bool
+
+
 class BatchStore(abc.ABC):
     """The durable batch store. All methods are synchronous and thread-safe; async callers use asyncio.to_thread."""
 
@@ -167,9 +173,10 @@ class BatchStore(abc.ABC):
     def file_content(self, file_id: str, tenant: str | None = None) -> bytes: ...
 
     @abc.abstractmethod
-    def list_files(self, purpose: str | None = None, limit: int = 10_000,
-                   tenant: str | None = None) -> list[FileRecord]:
-        """Newest first (OpenAI's order), of one purpose if given."""
+    def list_files(self, purpose: str | None = None, limit: int = 10_000, tenant: str | None = None,
+                   after: str | None = None, order: str = "desc") -> FilePage:
+        """Newest first (OpenAI's order; `order="asc"` oldest first), of one purpose if given; `after` is the last id
+        of the previous page (NotFoundError naming `after` for an unknown one)."""
 
     @abc.abstractmethod
     def delete_file(self, file_id: str, tenant: str | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
@@ -100,10 +100,11 @@ class BatchApi:
         return batch_shapes.file_object(await asyncio.to_thread(self.batch_store.get_file, file_id, tenant))
 
     async def list_files(self, request: Request, purpose: str | None = None,
-                         limit: int = Query(10_000, ge=1, le=10_000)) -> dict[str, Any]:
+                         limit: int = Query(10_000, ge=1, le=10_000), after: str | None = None,
+                         order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
         tenant = self.authenticate_http(request).tenant
-        records = await asyncio.to_thread(self.batch_store.list_files, purpose, limit, tenant)
-        return {"object": "list", "data": [batch_shapes.file_object(record) for record in records]}
+        page = await asyncio.to_thread(self.batch_store.list_files, purpose, limit, tenant, after, order)
+        return batch_shapes.list_object([batch_shapes.file_object(record) for record in page.data], page.has_more)
 
     async def delete_file(self, file_id: str, request: Request) -> dict[str, Any]:
         tenant = self.authenticate_http(request).tenant

@@ -75,3 +75,13 @@ def test_batch_api_errors(app_url, openai_client, served_model):
         openai_client.batches.cancel(batch.id)
     with pytest.raises(openai.BadRequestError):
         openai_client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+
+
+def test_the_sdk_pages_through_the_files_list_to_its_end(openai_client):
+    """The SDK's iteration asks for the next page with `after` until `has_more` is false."""
+    uploaded = {openai_client.files.create(file=(f"page-{i}.jsonl", io.BytesIO(b"{}\n")), purpose="batch").id
+                for i in range(3)}
+    newest_first = [f.id for f in openai_client.files.list(limit=1, purpose="batch")]
+    assert uploaded <= set(newest_first) and len(newest_first) == len(set(newest_first))
+    oldest_first = [f.id for f in openai_client.files.list(limit=2, purpose="batch", order="asc")]
+    assert oldest_first == newest_first[::-1]

@@ -404,11 +404,12 @@ def test_a_query_parameter_a_route_does_not_declare_is_refused_naming_it(tmp_pat
     HTTP_ROUTES["chat_completions"](app)(router.chat_completions)
     with TestClient(app) as client:
         for method, url, status, param in [
-                ("GET", "/v1/files?order=asc", 400, "order"), ("GET", "/v1/files?purpose=batch&after=f", 400, "after"),
+                ("GET", "/v1/files?sort=asc", 400, "sort"), ("GET", "/v1/files?order=up", 422, "order"),
+                ("GET", "/v1/files?purpose=batch&after=file-nope", 404, "after"),
                 ("GET", "/v1/batches?limit=0", 400, "limit"), ("GET", "/v1/batches?after=batch_nope", 404, "after"),
                 ("POST", "/v1/chat/completions?stream=true", 400, "stream"),
                 ("GET", "/v1/files?prompt_cache_key=k", 400, "prompt_cache_key")]:
             answer = client.request(method, url, json=chat())
             assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
-        assert client.get("/v1/files?purpose=batch&limit=5").status_code == 200
+        assert client.get("/v1/files?purpose=batch&limit=5&order=asc").json()["has_more"] is False
         assert client.get("/v1/batches?limit=5").status_code == 200

@@ -67,16 +67,36 @@ def test_files_are_listed_newest_first_and_deleted(store_factory):
     store = store_factory()
     first = store.create_file("batch", "a.jsonl", b"a\n")
     second = store.create_file("batch", "b.jsonl", b"b\n")
-    listed = store.list_files()
+    listed = store.list_files().data
     assert {r.id for r in listed} == {first.id, second.id}
     assert [r.created_at for r in listed] == sorted((r.created_at for r in listed), reverse=True)
-    assert store.list_files(purpose="batch_output") == []
+    assert store.list_files(purpose="batch_output").data == []
     store.delete_file(first.id)
-    assert [r.id for r in store.list_files()] == [second.id]
+    assert [r.id for r in store.list_files().data] == [second.id]
     with pytest.raises(NotFoundError):
         store.get_file(first.id)
     with pytest.raises(NotFoundError):
         store.delete_file(first.id)
+
+
+def test_files_are_listed_a_page_at_a_time_in_either_order(store_factory):
+    store = store_factory()
+    ids = [store.create_file("batch", f"{i}.jsonl", b"a\n").id for i in range(5)]
+    for order in ("desc", "asc"):
+        seen, after, pages = [], None, 0
+        while True:
+            page = store.list_files(limit=2, after=after, order=order)
+            seen += [r.id for r in page.data]
+            pages += 1
+            if not page.has_more:
+                break
+            after = page.data[-1].id
+        assert sorted(seen) == sorted(ids) and len(seen) == 5 and pages == 3
+        created = [store.get_file(i).created_at for i in seen]
+        assert created == sorted(created, reverse=order == "desc")
+    with pytest.raises(NotFoundError) as unknown:
+        store.list_files(after="file-nope")
+    assert unknown.value.param == "after"
 
 
 def test_create_batch_rejects_bad_arguments(store_factory):
