@@ -73,7 +73,7 @@ def openai_error_response(error: api.OpenAIError) -> JSONResponse:
 
 async def refuse_unknown_query_parameters(request: Request) -> None:
     """A query parameter the route does not declare is refused naming it (400 `unrecognized_argument`), not ignored:
-    `GET /v1/files?order=asc` would otherwise list in the default order as if asked."""
+    `POST /v1/chat/completions?stream=true` would otherwise answer unstreamed as if asked."""
     if not request.scope.get("query_string"):
         return
     route = request.scope.get("route")
