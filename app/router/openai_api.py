@@ -1,6 +1,7 @@
 """OpenAI-shaped errors, and what the Router checks of a body around vLLM's protocol models: before them (lone
-surrogates), and after them (the fields they kept aside as unknown). Pure: no Ray, no vLLM import (vLLM's models
-are passed in), no FastAPI app state. Requests and answers themselves are vLLM's (app/router/openai_surface.py)."""
+surrogates, choices, messages, text length), and after them (the fields they kept aside as unknown). Pure: no Ray,
+no vLLM import (vLLM's models are passed in), no FastAPI app state. Requests and answers themselves are vLLM's
+(app/router/openai_surface.py)."""
 
 from __future__ import annotations
 
@@ -101,8 +102,7 @@ def _asks_for_what_is_done(name: str, value: Any, n: int) -> bool:
     if name == "store":
         return value is False or value is None
     if name == "best_of":
-        # Any number type (gRPC carries JSON numbers as doubles), not a boolean.
-        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == n)
+        return value is None or (_is_number(value) and value == n)
     return False
 
 
@@ -181,3 +181,43 @@ def unknown_message_keys(messages: Any, known: frozenset[str]) -> Iterator[tuple
         if isinstance(message, dict):
             for key in message.keys() - known:
                 yield f"messages.{index}.{key}", message[key]
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number of either type (gRPC's openai_fields carry every number as a double), not a boolean."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def text_chars(value: Any) -> int:
+    """Characters of text in a prompt or messages (strings anywhere inside; token ids count as none)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    return 0
+
+
+def check_counts(body: dict[str, Any], *, chat: bool, max_choices: int, max_messages: int) -> None:
+    """Refuse, before rendering, a request for more choices (`n`) or a chat of more messages than the Router takes
+    (router.max_choices, router.max_messages)."""
+    choices = body.get("n")
+    if _is_number(choices) and choices > max_choices:
+        raise OpenAIError(400, f"n: {choices} choices is more than this server generates for one request "
+                               f"({max_choices}, router.max_choices)", param="n", code="too_many_choices")
+    messages = body.get("messages")
+    if chat and isinstance(messages, list) and len(messages) > max_messages:
+        raise OpenAIError(400, f"messages: {len(messages)} messages is more than this server takes "
+                               f"({max_messages}, router.max_messages)", param="messages", code="too_many_messages")
+
+
+def refuse_unrecognized_fields(request: BaseModel, body: dict[str, Any], *, chat: bool) -> None:
+    """Raise the refusal of every field of a chat or completion body that vLLM's validated `request` kept aside as
+    unknown, or (chat) a message key no message type of its model has."""
+    unknown = dict(extra_fields(request))
+    if chat:
+        unknown.update(unknown_message_keys(body.get("messages"), message_keys(type(request))))
+    unrecognized = unrecognized_arguments(unknown, n=getattr(request, "n", None) or 1)
+    if unrecognized is not None:
+        raise unrecognized

@@ -346,12 +346,7 @@ class OpenAISurface:
             raise _validation_error(error) from None
         except Exception as error:  # vLLM's own checks (VLLMValidationError and the like) outside pydantic's
             raise _error_from_exception(error) from None
-        unknown = dict(api.extra_fields(request))
-        if endpoint.chat:
-            unknown.update(api.unknown_message_keys(body.get("messages"), api.message_keys(type(request))))
-        unrecognized = api.unrecognized_arguments(unknown, n=getattr(request, "n", None) or 1)
-        if unrecognized is not None:
-            raise unrecognized
+        api.refuse_unrecognized_fields(request, body, chat=endpoint.chat)
         if getattr(request, "priority", 0):
             # The request class sets the engine priority here (realtime, interactive, batch; spills adjust it).
             raise api.OpenAIError(400, "priority: the engine priority follows the request class here: ask for a "
@@ -363,22 +358,9 @@ class OpenAISurface:
         """Refuse, before any tokenization, what is certainly over the limits: too many choices or messages, or a
         prompt whose text needs more than max_model_len tokens even if every token were the vocabulary's longest."""
         limit = self.cfg.model.max_model_len
-        choices = body.get("n")
-        # A number of any JSON type (gRPC's openai_fields carry every number as a double), not a boolean.
-        counted = isinstance(choices, (int, float)) and not isinstance(choices, bool)
-        if counted and choices > self.cfg.router.max_choices:
-            raise api.OpenAIError(400, f"n: {choices} choices is more than this server generates for one request "
-                                       f"({self.cfg.router.max_choices}, router.max_choices)",
-                                  param="n", code="too_many_choices")
-        if endpoint.chat:
-            messages = body.get("messages")
-            if isinstance(messages, list) and len(messages) > self.cfg.router.max_messages:
-                raise api.OpenAIError(400, f"messages: {len(messages)} messages is more than this server takes "
-                                           f"({self.cfg.router.max_messages}, router.max_messages)",
-                                      param="messages", code="too_many_messages")
-            chars = _text_chars(messages)
-        else:
-            chars = _text_chars(body.get("prompt"))
+        api.check_counts(body, chat=endpoint.chat, max_choices=self.cfg.router.max_choices,
+                         max_messages=self.cfg.router.max_messages)
+        chars = api.text_chars(body.get("messages") if endpoint.chat else body.get("prompt"))
         if chars // self.max_token_chars > limit:
             raise api.OpenAIError(400, f"this model's maximum context length is {limit} tokens and the "
                                        f"{endpoint.prompt_param} ({chars} characters) needs at least "
@@ -472,17 +454,6 @@ async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) ->
     finally:
         await rest.aclose()
         await scope.close()
-
-
-def _text_chars(value: Any) -> int:
-    """Characters of text in a prompt or messages (strings anywhere inside; token ids count as none)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    return 0
 
 
 # A segment of a pydantic error's location that names one of its validators, not a field: "function-wrap[f()]".
