@@ -18,9 +18,10 @@ the app's `x-llm-lanes-*` headers, `usage.prompt_tokens_details` (the prefix cac
 requests), how a stream is cut into chunks (the text, logprobs and tool calls they add up to are compared), and
 error messages (status and parameter are compared; vLLM's server names a field FastAPI refused as "body.<field>",
 the app as "<field>"), and fields vLLM's request models do not know (UNRECOGNIZED: vLLM's server ignores them, the
-app refuses them naming the field; checked as such). Every request sets max_tokens: without it the app answers at most
-`router.default_max_tokens` tokens where vLLM's server fills the context. A `json_schema` answer that finishes is
-also validated against its schema.
+app refuses them naming the field; checked as such), and malformed messages (PLACED: the app names the place in the
+request, vLLM's server a message type's class or no place). Every request sets max_tokens: without it the app
+answers at most `router.default_max_tokens` tokens where vLLM's server fills the context. A `json_schema` answer that
+finishes is also validated against its schema.
 """
 
 from __future__ import annotations
@@ -145,6 +146,19 @@ UNRECOGNIZED = [
     ("temprature", chat(temprature=0)), ("max_token", completion(max_token=3)),
     ("functions", chat(functions=[WEATHER_TOOL["function"]])), ("store", chat(store=True)),
     ("metadata", chat(metadata={"team": "search"})), ("best_of", completion(best_of=3, n=1)),
+]
+
+# Malformed messages: vLLM's server refuses each with 400 naming a message type's class or no place at all ("7
+# validation errors for ValidatorIterator"), or skips a text part without its text (a warning in its log); the app
+# refuses each with 400 naming its place in the request.
+MISPLACED_TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "argumets": "{}"}}
+PLACED = [
+    ("messages.0.content.0.text", chat(content=[{"type": "text"}])),
+    ("messages.0.content.1.text", chat(content=[{"type": "text", "text": "Hello."}, {"type": "text"}])),
+    ("messages.0.content.0.type", chat(content=[{"type": "txet", "text": "Hello."}])),
+    ("messages.0.role", ("/v1/chat/completions", {"messages": [{"content": "Hello."}], "max_tokens": 4})),
+    ("messages.1.tool_calls.0.function.arguments", ("/v1/chat/completions", {"max_tokens": 4, "messages": [
+        CONVERSATION[1], {"role": "assistant", "content": None, "tool_calls": [MISPLACED_TOOL_CALL]}]})),
 ]
 
 
@@ -346,6 +360,20 @@ def compare_unrecognized(app_url: str, vllm_url: str, model: str) -> list[str]:
     return mismatches
 
 
+def compare_placed(app_url: str, vllm_url: str, model: str) -> list[str]:
+    """Every request of PLACED to both: vLLM's server answers 400 or 200, the app 400 naming the place."""
+    mismatches = []
+    for place, (path, body) in PLACED:
+        path, body = expanded(path, body, model)
+        ours = httpx.post(f"{app_url}{path}", json=body, timeout=60)
+        theirs = httpx.post(f"{vllm_url}{path}", json=body, timeout=60)
+        error = ours.json().get("error") or {}
+        if (ours.status_code, error.get("param")) != (400, place) or theirs.status_code not in (200, 400):
+            mismatches.append(f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {error}\n"
+                              f"  vLLM {theirs.status_code}: {theirs.text[:200]}")
+    return mismatches
+
+
 def vllm_server_command(document: dict[str, Any], port: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's own OpenAI server for a serve config: its hot lane's engine arguments and the app's model settings
     (tool-call parser, auto tool choice, chat template, reasoning parser); (command, environment it needs)."""
@@ -427,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
         print(f"vLLM's server ready after {server.wait_ready():.0f} s", flush=True)
         compared, answer_problems = (0, []) if args.refusals_only else compare_answers(url, vllm_url, model)
-        refusal_problems = compare_refusals(url, vllm_url, model) + compare_unrecognized(url, vllm_url, model)
+        refusal_problems = (compare_refusals(url, vllm_url, model) + compare_unrecognized(url, vllm_url, model)
+                            + compare_placed(url, vllm_url, model))
     except AppStartError as error:
         print(error, file=sys.stderr)
         return 1

@@ -1,16 +1,18 @@
 """OpenAI-shaped errors, and what the Router checks of a body around vLLM's protocol models: before them (lone
-surrogates, choices, messages, text length), and after them (the fields they kept aside as unknown). Pure: no Ray,
-no vLLM import (vLLM's models are passed in), no FastAPI app state. Requests and answers themselves are vLLM's
-(app/router/openai_surface.py)."""
+surrogates, choices, messages, text length), and after them (the fields they kept aside as unknown, the messages'
+content parts and tool calls they left to be validated later, which member of a union an error is reported for).
+Pure: no Ray, no vLLM import (vLLM's models are passed in), no FastAPI app state. Requests and answers themselves are
+vLLM's (app/router/openai_surface.py)."""
 
 from __future__ import annotations
 
 import functools
+import re
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 
 class OpenAIError(Exception):
@@ -74,6 +76,127 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     message = first["msg"].removeprefix("Value error, ")
     status = 400 if first.get("type") in REFUSED_VALUE_ERRORS else 422
     return OpenAIError(status, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+# A union's member in an error's location: pydantic names a TypedDict or model member by its class
+# ("ChatCompletionUserMessageParam"); the fields of a request are snake_case.
+_UNION_MEMBER = re.compile(r"[A-Z][A-Za-z0-9_]*")
+
+
+def _member_at(loc: tuple) -> int | None:
+    return next((i for i, part in enumerate(loc) if isinstance(part, str) and _UNION_MEMBER.fullmatch(part)), None)
+
+
+def _one_of(choices: list[str]) -> str:
+    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+
+
+def narrow_union_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pydantic's errors for a value that matched no member of a union list every member's errors, each under the
+    member's class name: a content part without its `text` is seven errors, one or two per kind of part, the first
+    about an image. Kept: the errors of the member the value was meant for (one whose own literal, `role` or `type`,
+    the value does not contradict; of those, the one with the fewest errors), the class name dropped from their
+    location; where the value contradicts every member's literal, one error saying what that field may be."""
+    errors = list(errors)
+    while True:
+        at = next(((tuple(e["loc"][:i]), i) for e in errors
+                   if (i := _member_at(tuple(e.get("loc", ())))) is not None), None)
+        if at is None:
+            return errors
+        prefix, i = at
+        in_union = [e for e in errors if tuple(e["loc"][:i]) == prefix and _member_at(tuple(e["loc"])) == i]
+        members: dict[str, list[dict[str, Any]]] = {}
+        for error in in_union:
+            members.setdefault(error["loc"][i], []).append(error)
+
+        def own_literals(member_errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [e for e in member_errors if e.get("type") == "literal_error" and len(e["loc"]) == i + 2]
+
+        meant = [member_errors for member_errors in members.values() if not own_literals(member_errors)]
+        if meant:
+            narrowed = [{**e, "loc": prefix + tuple(e["loc"][i + 1:])} for e in min(meant, key=len)]
+        else:
+            literals = [e for member_errors in members.values() for e in own_literals(member_errors)]
+            field = literals[0]["loc"][-1]
+            expected = list(dict.fromkeys((e.get("ctx") or {}).get("expected", "") for e in literals
+                                          if e["loc"][-1] == field))
+            narrowed = [{**literals[0], "loc": prefix + (field,), "msg": f"Input should be {_one_of(expected)}"}]
+        grouped = {id(e) for e in in_union}
+        before = errors.index(in_union[0])
+        rest = [e for e in errors if id(e) not in grouped]
+        errors = rest[:before] + narrowed + rest[before:]
+
+
+# pydantic's lazily validating iterator: what a field typed `Iterable[...]` holds after validation.
+_LAZY_ITERABLE = type(TypeAdapter(Iterable[int]).validate_python(()))
+
+
+@functools.cache
+def content_part_types(request_model: type) -> dict[str, TypeAdapter]:
+    """The content parts of the message types of vLLM's request model, by the `type` each names: "text" -> a
+    validator of its TypedDict."""
+    parts: dict[str, TypeAdapter] = {}
+    pending = list(typing.get_args(request_model.model_fields["messages"].annotation))
+    while pending:
+        member = pending.pop(0)
+        if hasattr(member, "__required_keys__"):
+            hints = typing.get_type_hints(member)
+            if typing.get_origin(hints.get("type")) is typing.Literal:
+                for name in typing.get_args(hints["type"]):
+                    if name not in parts:
+                        parts[name] = TypeAdapter(member)
+            if "content" in hints:
+                pending.append(hints["content"])
+        else:
+            pending.extend(typing.get_args(member))
+    return parts
+
+
+def check_messages(messages: Any, raw_messages: list, part_types: dict[str, TypeAdapter],
+                   refusal: Callable[[ValidationError, tuple], Exception]) -> None:
+    """Raise `refusal(error, place)` for a malformed content part or tool call, naming its place
+    (`messages.0.content.0.text`). OpenAI's message types take `content` and `tool_calls` as Iterables, which pydantic
+    validates lazily, when vLLM's renderer reads them: their errors came without the message's place and with every
+    kind of content part's ("7 validation errors for ValidatorIterator"); they are read into lists here, as the
+    renderer would read them (`raw_messages`: the body's, to tell an object pydantic iterated by its keys). And where
+    vLLM's own message type took a content list, a part of a known `type` is checked against it: one without its
+    `text` had passed as a part of no type, skipped with a warning in the log."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        for key, value in message.items():
+            if isinstance(value, _LAZY_ITERABLE):
+                try:
+                    message[key] = list(value)
+                except ValidationError as error:
+                    if isinstance(raw_messages[index].get(key), dict):
+                        # An Iterable takes an object as its keys: say what the field takes instead.
+                        place = f"messages.{index}.{key}"
+                        raise OpenAIError(400, f"{place}: Input should be a string or a list, not an object",
+                                          param=place, code="invalid_value") from None
+                    raise refusal(error, ("messages", index, key)) from None
+        content = message.get("content")
+        for part_index, part in enumerate(content if isinstance(content, list) else ()):
+            part_type = part_types.get(part.get("type")) if isinstance(part, dict) else None
+            if part_type is not None:
+                try:
+                    part_type.validate_python(part)
+                except ValidationError as error:
+                    raise refusal(error, ("messages", index, "content", part_index)) from None
+
+
+def tool_calls_place(errors: list[dict[str, Any]], messages: Any) -> tuple:
+    """Where errors without a place come from: vLLM's chat request model reads each assistant message's `tool_calls`
+    into a list in a validator of its own, whose errors start at the call's index (`0.function.arguments`). The place
+    is the message whose `tool_calls` hold the value one of them names; () for errors that have their place."""
+    if not errors or not errors[0].get("loc") or not isinstance(errors[0]["loc"][0], int):
+        return ()
+    for error in errors:
+        for index, message in enumerate(messages if isinstance(messages, list) else ()):
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            if isinstance(calls, list) and any(call is error.get("input") for call in calls):
+                return ("messages", index, "tool_calls")
+    return ()
 
 
 # Fields outside vLLM's request models that the Router honours itself: the request class.

@@ -343,9 +343,12 @@ class OpenAISurface:
         try:
             request = self.request_model(endpoint).model_validate(body)
         except ValidationError as error:
-            raise _validation_error(error) from None
+            raise _validation_error(error, api.tool_calls_place(error.errors(), body.get("messages"))) from None
         except Exception as error:  # vLLM's own checks (VLLMValidationError and the like) outside pydantic's
             raise _error_from_exception(error) from None
+        if endpoint.chat:
+            api.check_messages(request.messages, body["messages"], api.content_part_types(type(request)),
+                               _validation_error)
         api.refuse_unrecognized_fields(request, body, chat=endpoint.chat)
         if getattr(request, "priority", 0):
             # The request class sets the engine priority here (realtime, interactive, batch; spills adjust it).
@@ -424,6 +427,9 @@ class OpenAISurface:
             raise api.OpenAIError(400, "the body holds a lone UTF-16 surrogate, which is not text")
         try:
             request = model.model_validate(body)
+            if "messages" in model.model_fields:
+                api.check_messages(request.messages, body["messages"], api.content_part_types(model),
+                                   _validation_error)
             unrecognized = api.unrecognized_arguments(dict(api.extra_fields(request)), honoured=frozenset(),
                                                        completion_request=False)
             if unrecognized is not None:
@@ -460,8 +466,10 @@ async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) ->
 _PYDANTIC_LOC_MARKER = re.compile(r"[\[\]{}()]")
 
 
-def _validation_error(error: ValidationError) -> api.OpenAIError:
-    """pydantic's errors on vLLM's request model -> one 400 naming the first parameter, as vLLM's server does."""
+def _validation_error(error: ValidationError, prefix: tuple = ()) -> api.OpenAIError:
+    """pydantic's errors on vLLM's request model -> one 400 naming the first parameter, as vLLM's server does; of a
+    union, the errors of the member the value was meant for (`messages.0.role`, not each message type's). `prefix`:
+    where the value that failed sits in the request."""
     from vllm.exceptions import VLLMValidationError
 
     try:
@@ -471,11 +479,15 @@ def _validation_error(error: ValidationError) -> api.OpenAIError:
             return ".".join(str(part) for part in loc
                             if part != "body" and not _PYDANTIC_LOC_MARKER.search(str(part))) or "body"
 
-    errors = error.errors()
+    errors = api.narrow_union_errors([{**e, "loc": prefix + tuple(e["loc"])} for e in error.errors()])
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     context_error = (first.get("ctx") or {}).get("error")
     param = getattr(context_error, "parameter", None) if isinstance(context_error, VLLMValidationError) else None
     if param is None and first.get("loc"):
         param = clean_loc_for_param(tuple(first["loc"]))
+        missing = first["loc"][-1]
+        if first.get("type") == "missing" and isinstance(missing, str) and not param.endswith(missing):
+            # A missing field is the last of its location, even one vLLM's cleaning takes for pydantic's (arguments).
+            param = f"{param}.{missing}"
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return api.OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from load_tests.openai_differential import (compare_answers, compare_refusals, compare_unrecognized,
+from load_tests.openai_differential import (compare_answers, compare_placed, compare_refusals, compare_unrecognized,
                                             vllm_server_command)
 from load_tests.serve_runner import ServedApp
 from tests.integration.conftest import local_test_document
@@ -58,4 +58,10 @@ def test_what_vllms_server_refuses_the_app_refuses_alike(app_url, vllm_server, s
 
 def test_a_field_vllms_server_ignores_the_app_refuses_naming_it(app_url, vllm_server, served_model):
     problems = compare_unrecognized(app_url, vllm_server, served_model)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_malformed_message_is_refused_naming_its_place_where_vllms_server_names_none(app_url, vllm_server,
+                                                                                       served_model):
+    problems = compare_placed(app_url, vllm_server, served_model)
     assert not problems, "\n".join(problems)

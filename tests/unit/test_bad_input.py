@@ -319,6 +319,72 @@ def test_a_field_that_vllms_models_do_not_know_is_refused_naming_it(router, endp
     assert len(router.lanes["hot"].requests) + len(router.lanes["cold"].requests) == sent
 
 
+
+def conversation(*messages):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, *messages]}
+
+
+def call(function):
+    return {"id": "call_1", "type": "function", "function": function}
+
+
+# pydantic tries each member of vLLM's message and content-part unions and lists every member's errors (seven for a
+# text part without its text); the refusal names the place in the request, as the member the value was meant for.
+@pytest.mark.parametrize("fields, param, says", [
+    (conversation({"role": "user", "content": [{"type": "text"}]}), "messages.1.content.0.text", "Field required"),
+    (conversation({"role": "user", "content": [{"type": "text", "text": 5}]}), "messages.1.content.0.text",
+     "valid string"),
+    (conversation({"role": "user", "content": [{"text": "hi"}]}), "messages.1.content.0.type", "Field required"),
+    (conversation({"role": "user", "content": [{"type": "txet", "text": "hi"}]}), "messages.1.content.0.type",
+     "'text', 'image_url', 'input_audio' or 'file'"),
+    (conversation({"role": "user", "content": [5]}), "messages.1.content.0", "valid dictionary"),
+    (conversation({"role": "user", "content": {"type": "text", "text": "hi"}}), "messages.1.content",
+     "a string or a list, not an object"),
+    (conversation({"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}),
+     "messages.1.content.1.text", "Field required"),
+    (conversation({"content": "hi"}), "messages.1.role", "Field required"),
+    (conversation({"role": 5, "content": "hi"}), "messages.1.role", "valid string"),
+    (conversation("hi"), "messages.1", "valid dictionary"),
+    (conversation({"role": "assistant", "tool_calls": [call({"name": "f", "argumets": "{}"})]}),
+     "messages.1.tool_calls.0.function.arguments", "Field required"),
+    (conversation({"role": "assistant", "tool_calls": [call({"name": "f", "arguments": "{}"}), 7]}),
+     "messages.1.tool_calls.1", "valid dictionary"),
+])
+def test_a_malformed_message_is_refused_naming_its_place(router, fields, param, says):
+    error = refusal(router, CHAT, fields)
+    assert (error.status, error.param) == (400, param), error.body()
+    assert error.message == f"{param}: {error.message.split(': ', 1)[1]}" and says in error.message
+    assert "validation error" not in error.message and "Param" not in error.message
+
+
+def test_tokenize_names_the_place_of_a_malformed_message(router):
+    with pytest.raises(api.OpenAIError) as refused:
+        asyncio.run(router.pipeline.surface.tokenize(conversation({"role": "user", "content": [{"type": "text"}]})))
+    assert (refused.value.status, refused.value.param) == (400, "messages.1.content.0.text")
+
+
+def test_union_errors_are_narrowed_to_the_member_the_value_was_meant_for():
+    def error(loc, kind="missing", **ctx):
+        return {"loc": loc, "type": kind, "msg": kind, **({"ctx": ctx} if ctx else {})}
+
+    # The member whose own literal the value does not contradict, with its class name dropped; a later error kept.
+    errors = [error(("messages", 0, "DeveloperParam", "role"), "literal_error", expected="'developer'"),
+              error(("messages", 0, "UserParam", "content")), error(("messages", 0, "UserParam", "name")),
+              error(("messages", 0, "CustomParam", "content")), error(("n",), "greater_than")]
+    assert [e["loc"] for e in api.narrow_union_errors(errors)] == [("messages", 0, "content"), ("n",)]
+    # Every member's literal contradicted: one error saying what the field may be.
+    errors = [error((0, "TextPart", "type"), "literal_error", expected="'text'"), error((0, "TextPart", "text")),
+              error((0, "ImagePart", "type"), "literal_error", expected="'image_url'")]
+    assert [(e["loc"], e["msg"]) for e in api.narrow_union_errors(errors)] == [
+        ((0, "type"), "Input should be 'text' or 'image_url'")]
+    # Nested unions narrow one after the other; errors without a union are left as they are.
+    errors = [error(("messages", 1, "AssistantParam", "tool_calls", 0, "FunctionCall", "function", "arguments")),
+              error(("messages", 1, "AssistantParam", "tool_calls", 0, "CustomCall", "type"), "literal_error",
+                    expected="'custom'")]
+    assert [e["loc"] for e in api.narrow_union_errors(errors)] == [("messages", 1, "tool_calls", 0, "function",
+                                                                    "arguments")]
+    assert api.narrow_union_errors([error(("seed",), "int_type")]) == [error(("seed",), "int_type")]
+
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "d", "strict": True,
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
