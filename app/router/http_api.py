@@ -83,6 +83,11 @@ async def refuse_unknown_query_parameters(request: Request) -> None:
         raise api.unrecognized_arguments(unknown, honoured=frozenset(), completion_request=False)
 
 
+# OpenAI's endpoints that the Router serves, for the answer to a request for one it does not.
+_SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /v1/files and /v1/batches (OpenAI's), "
+           "POST /tokenize and /detokenize (vLLM's)")
+
+
 def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -> FastAPI:
     """The FastAPI app with OpenAI-shaped errors for everything: never a stack trace to the client.
     `extra_error_types` maps other exception types (e.g. the batch store's) to an OpenAIError factory."""
@@ -105,8 +110,15 @@ def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -
         return openai_error_response(api.validation_error(list(error.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return openai_error_response(api.OpenAIError(error.status_code, str(error.detail),
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message, headers = str(error.detail), dict(error.headers or {})
+        if error.status_code == 404:
+            # A client of another OpenAI endpoint (/v1/responses, /v1/embeddings) learns which ones are here.
+            message = (f"{message}: {request.method} {request.url.path} is not an endpoint of this server; it serves "
+                       f"{_SERVED} (GET /openapi.json lists every route)")
+        elif error.status_code == 405 and "Allow" in headers:
+            message = f"{message}: {request.url.path} takes {headers['Allow']}, not {request.method}"
+        return openai_error_response(api.OpenAIError(error.status_code, message, headers=headers,
                                                      code="not_found" if error.status_code == 404 else None))
 
     @app.exception_handler(Exception)
@@ -156,7 +168,7 @@ class HttpApi:
 
     def _model_card(self) -> dict[str, Any]:
         model = self.pipeline.cfg.model
-        return {"id": model.served_name, "object": "model", "created": 0, "owned_by": "llm-lanes",
+        return {"id": model.served_name, "object": "model", "created": self.pipeline.serving_since, "owned_by": "llm-lanes",
                 "root": model.source, "max_model_len": model.max_model_len}
 
     async def version(self) -> dict[str, Any]:

@@ -50,6 +50,8 @@ class RequestPipeline:
         self.recent_ttft = RecentTtft()
         # The API keys' requests and tokens per minute, app-wide (None: no key has limits).
         self.rate_limits = rate_limits
+        # When this replica began serving the model: its model card's `created`.
+        self.serving_since = int(time.time())
 
     @property
     def model(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -138,7 +139,11 @@ def test_http_generation_needs_a_key_and_a_class_it_may_use(surfaces):
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "request_class_not_allowed"
     assert len(router.lanes["hot"].requests) == 1  # only the allowed request reached a lane
     assert client.get("/v1/models").status_code == 401
-    assert client.get("/v1/models", headers={"Authorization": f"Bearer {BOB}"}).status_code == 200
+    models = client.get("/v1/models", headers={"Authorization": f"Bearer {BOB}"})
+    assert models.status_code == 200
+    # The card says when this replica began serving the model, as a Unix time (not 0: clients sort and show it).
+    card = models.json()["data"][0]
+    assert card["created"] == router.pipeline.serving_since and abs(card["created"] - time.time()) < 600
 
 
 def test_admin_endpoints_need_an_admin_key(surfaces):

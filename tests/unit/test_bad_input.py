@@ -133,6 +133,17 @@ def test_http_answers_bad_values_400_and_no_lane_sees_them(http, path, raw, para
     assert not router.lanes["hot"].requests and not router.lanes["cold"].requests
 
 
+def test_an_endpoint_this_server_does_not_have_is_named_with_those_it_has(http):
+    client, _ = http
+    missing = client.post("/v1/responses", json={"model": "tiny", "input": "hi"})
+    error = missing.json()["error"]
+    assert (missing.status_code, error["code"]) == (404, "not_found")
+    assert "POST /v1/responses is not an endpoint" in error["message"] and "/v1/chat/completions" in error["message"]
+    wrong_method = client.get("/v1/chat/completions")
+    assert (wrong_method.status_code, wrong_method.headers["allow"]) == (405, "POST")
+    assert wrong_method.json()["error"]["message"].endswith("/v1/chat/completions takes POST, not GET")
+
+
 @pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"model": "tiny", "prompt": "x"', b"\xff\xfe", b"[]", b"5",
                                  b'{"model": "tiny", "prompt": "x", "max_tokens": 1e999}'])
 def test_http_answers_malformed_bodies_4xx(http, raw):
