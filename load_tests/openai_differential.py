@@ -326,21 +326,30 @@ def compare_answers(app_url: str, vllm_url: str, model: str) -> tuple[int, list[
     return compared, problems
 
 
+def _sent_to_both(app_url: str, vllm_url: str, model: str, path: str, body: dict):
+    """One request to the app and to vLLM's server: (path, body as sent, the app's answer, the server's)."""
+    path, body = expanded(path, body, model)
+    return (path, body, httpx.post(f"{app_url}{path}", json=body, timeout=60),
+            httpx.post(f"{vllm_url}{path}", json=body, timeout=60))
+
+
+def _mismatch(path: str, body: dict, ours, theirs) -> str:
+    return (f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {ours.json().get('error')}\n"
+            f"  vLLM {theirs.status_code}: {theirs.text[:200]}")
+
+
 def compare_refusals(app_url: str, vllm_url: str, model: str) -> list[str]:
     """Every request of BAD_REQUESTS to both: refused alike (status and parameter), never 5xx from the app."""
     mismatches = []
-    for path, body in BAD_REQUESTS:
-        path, body = expanded(path, body, model)
-        ours = httpx.post(f"{app_url}{path}", json=body, timeout=60)
-        theirs = httpx.post(f"{vllm_url}{path}", json=body, timeout=60)
+    for request in BAD_REQUESTS:
+        path, body, ours, theirs = _sent_to_both(app_url, vllm_url, model, *request)
         error, reference = ours.json().get("error") or {}, theirs.json().get("error") or {}
         shaped = set(error) >= {"message", "type", "param", "code"}
         # vLLM's server names a field FastAPI refused by its place in the request ("body.seed"); the app by its name.
         reference_param = (reference.get("param") or "").removeprefix("body.") or None
         if (not shaped or (ours.status_code, error.get("param")) != (theirs.status_code, reference_param)
                 or ours.status_code >= 500):
-            mismatches.append(f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {error}\n"
-                              f"  vLLM {theirs.status_code}: {reference}")
+            mismatches.append(_mismatch(path, body, ours, theirs))
     return mismatches
 
 
@@ -348,29 +357,23 @@ def compare_unrecognized(app_url: str, vllm_url: str, model: str) -> list[str]:
     """Every request of UNRECOGNIZED to both: vLLM's server answers 200, the app 400 `unrecognized_argument` naming
     the field."""
     mismatches = []
-    for field, (path, body) in UNRECOGNIZED:
-        path, body = expanded(path, body, model)
-        ours = httpx.post(f"{app_url}{path}", json=body, timeout=60)
-        theirs = httpx.post(f"{vllm_url}{path}", json=body, timeout=60)
+    for field, request in UNRECOGNIZED:
+        path, body, ours, theirs = _sent_to_both(app_url, vllm_url, model, *request)
         error = ours.json().get("error") or {}
         if (ours.status_code, error.get("param"), error.get("code")) != (400, field, "unrecognized_argument") \
                 or theirs.status_code != 200:
-            mismatches.append(f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {error}\n"
-                              f"  vLLM {theirs.status_code}: {theirs.text[:200]}")
+            mismatches.append(_mismatch(path, body, ours, theirs))
     return mismatches
 
 
 def compare_placed(app_url: str, vllm_url: str, model: str) -> list[str]:
     """Every request of PLACED to both: vLLM's server answers 400 or 200, the app 400 naming the place."""
     mismatches = []
-    for place, (path, body) in PLACED:
-        path, body = expanded(path, body, model)
-        ours = httpx.post(f"{app_url}{path}", json=body, timeout=60)
-        theirs = httpx.post(f"{vllm_url}{path}", json=body, timeout=60)
+    for place, request in PLACED:
+        path, body, ours, theirs = _sent_to_both(app_url, vllm_url, model, *request)
         error = ours.json().get("error") or {}
         if (ours.status_code, error.get("param")) != (400, place) or theirs.status_code not in (200, 400):
-            mismatches.append(f"{path} {json.dumps(body)[:160]}\n  ours {ours.status_code}: {error}\n"
-                              f"  vLLM {theirs.status_code}: {theirs.text[:200]}")
+            mismatches.append(_mismatch(path, body, ours, theirs))
     return mismatches
 
 
