@@ -2,9 +2,10 @@
 (load_tests/openai_differential.py) is parsed, rendered and turned into sampling parameters by that vLLM's code, the
 launch hands back engine outputs made with that vLLM's own RequestOutput / CompletionOutput (a tool call where the
 request has tools), and the answer is rendered by its serving classes, streamed and not; every bad request must be
-refused before launch or reach it (the engine's own checks refuse the rest), and the engine adapter must read that
-vLLM's own refusal errors as the client's. It finds API differences between vLLM
-versions on a machine without their engine, e.g. the GPU payload's vLLM 0.26 on the CPU host:
+refused before launch or reach it (the engine's own checks refuse the rest), every malformed message must be refused
+before launch naming its place, and the engine adapter must read that vLLM's own refusal errors as the client's. It
+finds API differences between vLLM versions on a machine without their engine, e.g. the GPU payload's vLLM 0.26 on
+the CPU host:
 
     mkdir -p /tmp/vllm026 && unzip -q -o .gpu/cache/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl 'vllm/*' \
         -d /tmp/vllm026
@@ -98,7 +99,7 @@ async def check(surface) -> tuple[int, list[str]]:
     """(requests answered, problems)."""
     from app.router import openai_api as api
     from app.router.endpoints import ENDPOINTS_BY_PATH
-    from load_tests.openai_differential import BAD_REQUESTS, expanded
+    from load_tests.openai_differential import BAD_REQUESTS, PLACED, expanded
 
     model, tokenizer = surface.cfg.model.served_name, surface.tokenizer
     answered, problems = 0, []
@@ -145,6 +146,18 @@ async def check(surface) -> tuple[int, list[str]]:
                 problems.append(f"bad request {json.dumps(request_body)[:160]}: {error.status} {error}")
         except Refused:
             pass  # reached the engine, whose own input checks refuse it (the differential compares those)
+    for place, (path, body) in PLACED:
+        path, request_body = expanded(path, body, model)
+        endpoint = ENDPOINTS_BY_PATH[path]
+        try:
+            await surface.answer(endpoint, surface.parse(endpoint, request_body), refuse)
+            problems.append(f"malformed message answered: {json.dumps(request_body)[:200]}")
+        except api.OpenAIError as error:
+            if (error.status, error.param) != (400, place):
+                problems.append(f"malformed message {json.dumps(request_body)[:160]}: {error.status} {error.param} "
+                                f"{error}, not 400 naming {place}")
+        except Refused:
+            problems.append(f"malformed message launched: {json.dumps(request_body)[:200]}")
     return answered, problems
 
 
