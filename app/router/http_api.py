@@ -168,8 +168,8 @@ class HttpApi:
 
     def _model_card(self) -> dict[str, Any]:
         model = self.pipeline.cfg.model
-        return {"id": model.served_name, "object": "model", "created": self.pipeline.serving_since, "owned_by": "llm-lanes",
-                "root": model.source, "max_model_len": model.max_model_len}
+        return {"id": model.served_name, "object": "model", "created": self.pipeline.serving_since,
+                "owned_by": "llm-lanes", "root": model.source, "max_model_len": model.max_model_len}
 
     async def version(self) -> dict[str, Any]:
         return {"version": self.pipeline.surface.vllm_version}

@@ -52,14 +52,18 @@ def has_lone_surrogate(value: Any) -> bool:
 # answers; any other validation error (a wrong type, a missing field) is 422.
 REFUSED_VALUE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal",
                                   "finite_number", "value_error", "too_short", "too_long"})
-# The names pydantic gives a union's branches in an error's location (`stop.list[str]`): not parameters.
-_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
+# The names pydantic gives a union's branches in an error's location (`stop.str`): not parameters. Its validators'
+# names are bracketed (`function-after[f()]`, `list[str]`). Words such as `arguments` or `call`, which are pydantic's
+# names elsewhere, are fields here (`tool_calls.0.function.arguments`).
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none", "bytes", "list", "dict", "tuple", "set"})
+_VALIDATOR_NAME = re.compile(r"[\[\]{}()]")
 
 
-def _param(loc: tuple) -> str | None:
+def error_param(loc: tuple) -> str | None:
+    """The parameter a pydantic error's location names, dotted (`messages.1.content.0.text`), or None."""
     # FastAPI puts where a parameter was ("body", "query", "path") first: the client knows it by its name alone.
     loc = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_BRANCHES))]
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (_VALIDATOR_NAME.search(p) or p in _UNION_BRANCHES))]
     return ".".join(parts) or None
 
 
@@ -69,9 +73,9 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                            code="invalid_json")
-    param = _param(tuple(first.get("loc", ())))
+    param = error_param(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
-        unknown = [_param(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+        unknown = [error_param(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
         return unrecognized_arguments(dict.fromkeys(unknown), honoured=frozenset(), completion_request=False)
     message = first["msg"].removeprefix("Value error, ")
     status = 400 if first.get("type") in REFUSED_VALUE_ERRORS else 422
@@ -136,19 +140,14 @@ def content_part_types(request_model: type) -> dict[str, TypeAdapter]:
     """The content parts of the message types of vLLM's request model, by the `type` each names: "text" -> a
     validator of its TypedDict."""
     parts: dict[str, TypeAdapter] = {}
-    pending = list(typing.get_args(request_model.model_fields["messages"].annotation))
-    while pending:
-        member = pending.pop(0)
-        if hasattr(member, "__required_keys__"):
-            hints = typing.get_type_hints(member)
-            if typing.get_origin(hints.get("type")) is typing.Literal:
-                for name in typing.get_args(hints["type"]):
+    for message_type in filter(_is_typed_dict, _named_types(request_model.model_fields["messages"].annotation)):
+        content = typing.get_type_hints(message_type).get("content")
+        for part in filter(_is_typed_dict, _named_types(content)):
+            kind = typing.get_type_hints(part).get("type")
+            if typing.get_origin(kind) is typing.Literal:
+                for name in typing.get_args(kind):
                     if name not in parts:
-                        parts[name] = TypeAdapter(member)
-            if "content" in hints:
-                pending.append(hints["content"])
-        else:
-            pending.extend(typing.get_args(member))
+                        parts[name] = TypeAdapter(part)
     return parts
 
 
@@ -277,21 +276,33 @@ def _fields_holding_models(model_type: type[BaseModel]) -> tuple[str, ...]:
     return tuple(name for name, field in model_type.model_fields.items() if names_a_model(field.annotation))
 
 
+def _named_types(annotation: Any) -> Iterator[Any]:
+    """The types a union, Optional or Iterable annotation names, at any depth, in order."""
+    pending = [annotation]
+    while pending:
+        member = pending.pop(0)
+        args = typing.get_args(member)
+        if args:
+            pending.extend(args)
+        else:
+            yield member
+
+
+def _is_typed_dict(member: Any) -> bool:
+    return hasattr(member, "__required_keys__")
+
+
 @functools.cache
 def message_keys(request_model: type) -> frozenset[str]:
     """Every key a chat message may have in vLLM's request model: those of the message types its `messages` union
     names (TypedDicts, or pydantic models with their aliases). vLLM validates a message against that union and drops
     the keys none of them has."""
     keys: set[str] = set()
-    pending = list(typing.get_args(request_model.model_fields["messages"].annotation))
-    while pending:
-        member = pending.pop()
-        if typing.get_args(member):
-            pending.extend(typing.get_args(member))
-        elif isinstance(member, type) and issubclass(member, BaseModel):
+    for member in _named_types(request_model.model_fields["messages"].annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel):
             keys.update(name for name in member.model_fields)
             keys.update(field.alias for field in member.model_fields.values() if field.alias)
-        elif hasattr(member, "__required_keys__"):
+        elif _is_typed_dict(member):
             keys.update(member.__required_keys__ | member.__optional_keys__)
     return frozenset(keys)
 

@@ -26,7 +26,6 @@ layout for the protocol models, serving classes and renderers (`vllm.entrypoints
 `vllm.entrypoints.chat_utils` (0.32: `vllm.renderers.chat_utils`); `ErrorResponse` in
 `vllm.entrypoints.openai.engine.protocol` (0.32: `vllm.entrypoints.serve.engine.protocol`); `create_error_response`
 in `vllm.entrypoints.serve.utils.error_response` (0.32: `...serve.exception_handling.error_response`); 0.26 has no
-`clean_loc_for_param` (a refused field is then named without "body" and pydantic's validator markers here) and no
 `EngineArgs.create_structured_outputs_config` (merged here as its create_engine_config does); OnlineRenderer and
 OpenAIServingChat lack 0.32's `tool_strict_level` and `trust_request_mm_kwargs`, so constructor arguments go
 through `_accepted()`. The suite runs 0.32; `load_tests.surface_check` renders every differential request with
@@ -42,7 +41,6 @@ import functools
 import inspect
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -462,32 +460,17 @@ async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) ->
         await scope.close()
 
 
-# A segment of a pydantic error's location that names one of its validators, not a field: "function-wrap[f()]".
-_PYDANTIC_LOC_MARKER = re.compile(r"[\[\]{}()]")
-
-
 def _validation_error(error: ValidationError, prefix: tuple = ()) -> api.OpenAIError:
     """pydantic's errors on vLLM's request model -> one 400 naming the first parameter, as vLLM's server does; of a
     union, the errors of the member the value was meant for (`messages.0.role`, not each message type's). `prefix`:
     where the value that failed sits in the request."""
     from vllm.exceptions import VLLMValidationError
 
-    try:
-        from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
-    except ImportError:  # vLLM 0.26: no helper; drop "body" and pydantic's own markers ("function-wrap[...]")
-        def clean_loc_for_param(loc: tuple) -> str:
-            return ".".join(str(part) for part in loc
-                            if part != "body" and not _PYDANTIC_LOC_MARKER.search(str(part))) or "body"
-
     errors = api.narrow_union_errors([{**e, "loc": prefix + tuple(e["loc"])} for e in error.errors()])
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     context_error = (first.get("ctx") or {}).get("error")
     param = getattr(context_error, "parameter", None) if isinstance(context_error, VLLMValidationError) else None
-    if param is None and first.get("loc"):
-        param = clean_loc_for_param(tuple(first["loc"]))
-        missing = first["loc"][-1]
-        if first.get("type") == "missing" and isinstance(missing, str) and not param.endswith(missing):
-            # A missing field is the last of its location, even one vLLM's cleaning takes for pydantic's (arguments).
-            param = f"{param}.{missing}"
+    if param is None:
+        param = api.error_param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return api.OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")

@@ -358,6 +358,8 @@ def call(function):
     (conversation("hi"), "messages.1", "valid dictionary"),
     (conversation({"role": "assistant", "tool_calls": [call({"name": "f", "argumets": "{}"})]}),
      "messages.1.tool_calls.0.function.arguments", "Field required"),
+    (conversation({"role": "assistant", "tool_calls": [call({"name": "f", "arguments": 5})]}),
+     "messages.1.tool_calls.0.function.arguments", "valid string"),
     (conversation({"role": "assistant", "tool_calls": [call({"name": "f", "arguments": "{}"}), 7]}),
      "messages.1.tool_calls.1", "valid dictionary"),
 ])
