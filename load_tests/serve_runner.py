@@ -87,6 +87,7 @@ class ServedApp:
         env: dict[str, str] | None = None,
         poll_interval_s: float = READY_POLL_INTERVAL_S,
         stop_grace_s: float = STOP_GRACE_S,
+        headers: dict[str, str] | None = None,
     ):
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
@@ -97,6 +98,8 @@ class ServedApp:
         self.ready_path = ready_path
         self.lanes_path = lanes_path
         self.poll_interval_s = poll_interval_s
+        # Sent with the readiness checks: an admin key, where the app has keys.
+        self.headers = headers or {}
         # How long each of SIGINT and SIGTERM gets before the next, stronger signal.
         self.stop_grace_s = stop_grace_s
         # The proxy stamps each request's arrival (app/router/arrival_stamp.py), as app.tools.serve_run has it.
@@ -116,7 +119,7 @@ class ServedApp:
         """Seconds it took until the ready path answered 200; raises AppStartError on exit or timeout."""
         assert self.process is not None, "start() first"
         began = time.monotonic()
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, headers=self.headers) as client:
             while True:
                 if self.process.poll() is not None:
                     raise AppStartError(

@@ -5,7 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-.venv/bin/python -m pytest "${@:-tests}" -ra --timeout=900
+# --durations: every run (CI's included) says which tests took the time; tests/conftest.py adds each file's total.
+.venv/bin/python -m pytest "${@:-tests}" -ra --timeout=900 --durations=30
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

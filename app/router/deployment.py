@@ -54,7 +54,7 @@ async def publish_router_gauges(batch_store, control: TrafficControl, metrics) -
 
 
 async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: RequestPipeline,
-                         dispatcher) -> dict[str, Any]:
+                         dispatcher, router_replica_id: str | None = None) -> dict[str, Any]:
     """GET /v1/admin/stats and gRPC GetStats: every lane replica's stats, the PrefixCache's, and this Router's."""
     async def ask(handle, method: str):
         try:
@@ -72,7 +72,9 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: 
                                                   if "error" not in registry else [])
                   for lane, answer in zip(lanes, live)},
         "prefix_cache": prefix,
-        "router": {"breakers": control.breaker_states(), "queued_by_class": control.queue_depths(),
+        # This Router replica's id, as its answers' x-llm-lanes-router header says it.
+        "router": {"replica": router_replica_id,
+                   "breakers": control.breaker_states(), "queued_by_class": control.queue_depths(),
                    # This Router's share of the hot engines' slots for interactive requests, and of the cold
                    # lane's room for spilled ones: limit, in flight, waiting, peak, hold time.
                    **control.slot_stats(),
@@ -236,7 +238,8 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
             self.control.set_replica_counts(hot=hot, cold=cold or 0, routers=routers)
 
     async def admin_stats(self) -> dict[str, Any]:
-        return await admin_document(self.lane_handles, self.prefix_cache, self.pipeline, self.dispatcher)
+        return await admin_document(self.lane_handles, self.prefix_cache, self.pipeline, self.dispatcher,
+                                    self.router_replica_id)
 
     async def __del__(self):
         # Graceful shutdown (serve run stopped, serve deploy, scale-down): in-flight batch lines get half the

@@ -210,5 +210,6 @@ class LaneSlots:
         return {"limit": self.limit, "in_flight": self.in_flight, "in_flight_by_tenant": dict(self._held_by),
                 "waiting": self.waiting,
                 "waiting_by_tenant": self._waiters.waiting_by_tenant(),
+                "queued_by_tenant": dict(self._waiters.queued_by_tenant),
                 "peak_in_flight": self.peak_in_flight, "peak_waiting": self._waiters.peak_waiting,
                 "hold_time_s": round(hold, 3) if hold is not None else None}

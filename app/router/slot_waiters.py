@@ -48,6 +48,9 @@ class SlotWaiters:
         # Requests in line or woken and not yet back from wait_until(), per tenant.
         self._waiting_tenants: Counter[str] = Counter()
         self.peak_waiting = 0
+        # Requests that found no slot for them and joined the line, per tenant, since the start: with the turns and
+        # the slot a flooding tenant leaves free, another tenant's requests join it rarely.
+        self.queued_by_tenant: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
@@ -94,6 +97,7 @@ class SlotWaiters:
         waiter = loop.create_future()
         self._enqueue(tenant, waiter)
         self._waiting_tenants[tenant] += 1
+        self.queued_by_tenant[tenant] += 1
         self.peak_waiting = max(self.peak_waiting, len(self))
         try:
             while True:

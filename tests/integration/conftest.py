@@ -45,12 +45,22 @@ SPAN_FILE = Path(tempfile.gettempdir()) / "llm-lanes-test-spans.jsonl"
 
 
 SHARED_APP = "local-test"
+# (app name, seconds from `serve run` to every lane answering), in the order started: the suite's summary lists them.
+APP_STARTS: list[tuple[str, float]] = []
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "app(name): the integration app a module runs on (default: the shared one)")
     config.addinivalue_line("markers", "disrupts_app: the module leaves its app changed (killed replicas, restarts): "
                                        "the next module on that app gets a fresh one")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if APP_STARTS:
+        terminalreporter.section("integration app starts (seconds until every lane answers)")
+        for name, seconds in APP_STARTS:
+            terminalreporter.write_line(f"{seconds:8.1f}  {name}")
+        terminalreporter.write_line(f"{sum(seconds for _, seconds in APP_STARTS):8.1f}  in all")
 
 
 def app_name_of(item) -> str:
@@ -180,35 +190,60 @@ def kill_orphaned_engine_processes(grace_s: float = 10) -> list[int]:
     return left
 
 
+def serve_local_command(config: Path) -> list[str]:
+    """The README's serve command. Run from another environment than the repository's own .venv (a worktree), its
+    set-up step would build that .venv, so the script's last line is run directly instead."""
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
+        return [str(ROOT / "scripts" / "serve-local.sh"), str(config)]
+    return [sys.executable, "-m", "app.tools.serve_run", str(config)]
+
+
 class AppProcess:
     """`serve run CONFIG` as a child process group: start, wait until every lane answers, stop, restart.
+
+    With `readme_command` the app is the README's serve command (scripts/serve-local.sh CONFIG) started in the
+    background of a non-interactive shell, as a script or an unattended job starts it (SIGINT ignored), and stopped
+    with SIGTERM, as `kill PID` does: `pid` is that command's process.
 
     One app at a time (one Ray cluster, one app name, the same ports): starting one stops any other."""
 
     running: set["AppProcess"] = set()
 
-    def __init__(self, config: Path, log_path: Path, headers: dict[str, str] | None = None):
+    def __init__(self, config: Path, log_path: Path, headers: dict[str, str] | None = None,
+                 readme_command: bool = False):
         """`headers`: sent with the readiness poll of /v1/admin/stats (an admin key where the app has keys)."""
         self.config = config
         self.log_path = log_path
         self.headers = headers or {}
+        self.readme_command = readme_command
         self.bin_dir = Path(sys.executable).parent
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **arrival_stamp.PROXY_ENV}
         self.url = f"http://127.0.0.1:{HTTP_PORT}"
         self.process: subprocess.Popen | None = None
+        self.pid = 0
 
     def start(self) -> None:
         for other in list(AppProcess.running - {self}):
             other.stop()
         AppProcess.running.add(self)
-        log = self.log_path.open("a")
-        self.process = subprocess.Popen([str(self.bin_dir / "serve"), "run", str(self.config)], cwd=ROOT,
-                                        env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        if self.readme_command:
+            command = " ".join(map(str, serve_local_command(self.config)))
+            # `&` in a non-interactive shell: the command starts with SIGINT ignored.
+            self.process = subprocess.Popen(["bash", "-c", f"{command} >>{self.log_path} 2>&1 & echo $!; wait $!"],
+                                            cwd=ROOT, env=self.env, stdout=subprocess.PIPE, text=True,
+                                            start_new_session=True)
+            self.pid = int(self.process.stdout.readline())
+        else:
+            log = self.log_path.open("a")
+            self.process = subprocess.Popen([str(self.bin_dir / "serve"), "run", str(self.config)], cwd=ROOT,
+                                            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+            log.close()
+            self.pid = self.process.pid
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"serve run exited with {self.process.returncode}; log: {self.log_path}\n"
+                raise RuntimeError(f"the serve command exited with {self.process.returncode}; log: {self.log_path}\n"
                                    + self.log_path.read_text()[-4000:])
             try:
                 # The Router answers before the engines are up: wait until every lane reports engine stats.
@@ -221,15 +256,19 @@ class AppProcess:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"app did not answer within {START_TIMEOUT_S} s; log: {self.log_path}\n"
                                    + self.log_path.read_text()[-4000:])
-            time.sleep(2)
+            time.sleep(1)
 
     def stop(self) -> None:
-        """Ctrl-C to `serve run` (it shuts the app down), then make sure no Ray process is left."""
+        """The app's own graceful stop (Ctrl-C to `serve run`, SIGTERM to the README's command), then make sure no
+        Ray process is left."""
         AppProcess.running.discard(self)
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
+            if self.readme_command:
+                os.kill(self.pid, signal.SIGTERM)
+            else:
+                os.killpg(self.process.pid, signal.SIGINT)
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=180 if self.readme_command else 60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
@@ -255,18 +294,21 @@ class AppManager:
 
     def use(self, name: str, write_config: Callable[[Path, Path], Path],
             ready: Callable[[AppProcess], bool] | None = None,
-            headers: dict[str, str] | None = None) -> AppProcess:
+            headers: dict[str, str] | None = None, readme_command: bool = False) -> AppProcess:
         """The app `name`, running; `ready` (if given) must hold before it is handed over (e.g. replica counts);
-        `headers` go with the readiness poll (an admin key where the app has keys)."""
+        `headers` go with the readiness poll (an admin key where the app has keys); `readme_command`: started as
+        the README's serve command in the background (AppProcess)."""
         if self.app is not None and self.name == name and not self.dirty:
             return self.app
         self.stop()
         tmp_dir = self._tmp_path_factory.mktemp(name)
-        app = AppProcess(write_config(tmp_dir, self._tiny_model), tmp_dir / "serve.log", headers)
+        app = AppProcess(write_config(tmp_dir, self._tiny_model), tmp_dir / "serve.log", headers, readme_command)
         self.name, self.app, self.dirty = name, app, False
+        started = time.monotonic()
         app.start()
         if ready is not None:
             assert wait_until(lambda: ready(app), timeout_s=60), f"app {name} did not get ready; log: {app.log_path}"
+        APP_STARTS.append((name, time.monotonic() - started))
         return app
 
     def mark_dirty(self) -> None:

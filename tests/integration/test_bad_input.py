@@ -11,7 +11,6 @@ import zlib
 from collections import Counter
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 

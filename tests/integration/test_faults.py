@@ -1,7 +1,8 @@
-"""Faults on the shared test app (they kill replicas and restart the app, so the module is marked `disrupts_app`:
-the next module on that app gets a fresh one, and the conftest runs it last among that app's modules): nothing in a batch is lost or recorded twice,
-interactive traffic carries on on the hot lane while the cold lane's replica is replaced, and flex requests wait for
-the cold lane instead of failing (two replicas, one lost: tests/integration/test_lane_loss.py)."""
+"""Faults on the shared test app (they kill a replica, so the module is marked `disrupts_app`: the next module on that
+app gets a fresh one, and the conftest runs it last among that app's modules): nothing in a batch is lost or recorded
+twice, interactive traffic carries on on the hot lane while the cold lane's replica is replaced, and flex requests
+wait for the cold lane instead of failing (two replicas, one lost: tests/integration/test_lane_loss.py). A batch
+across a full restart of the app: tests/integration/test_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -106,13 +107,3 @@ def _while_the_cold_replica_is_replaced(app_url, openai_client, served_model, ba
     # Serve replaces the replica; the batch waits for it and finishes with every line recorded exactly once.
     assert_each_line_recorded_once(openai_client, wait_for_batch(openai_client, batch.id, timeout_s=420), 120)
     assert wait_until(lambda: router_stats(app_url)["breakers"]["cold"] == "closed", timeout_s=60)
-
-
-def test_a_batch_survives_a_full_application_restart(app_process, openai_client, served_model):
-    batch = submit(openai_client, served_model, 200, max_tokens=64)
-    assert wait_until(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 20,
-                      timeout_s=120)
-    before = openai_client.batches.retrieve(batch.id).request_counts.completed
-    assert before < 200, "the batch finished before the restart: make its lines longer"
-    app_process.restart()  # serve run stopped with Ctrl-C (the app shuts down), Ray stopped, then started again
-    assert_each_line_recorded_once(openai_client, wait_for_batch(openai_client, batch.id, timeout_s=420), 200)

@@ -1,9 +1,11 @@
-"""The app's life cycle on the real stack: a rolling update by `serve deploy` under load fails no request, and the
-README's serve command stops cleanly on SIGINT and SIGTERM when started in the background (no engine, Ray or zombie
-process left, no batch line left leased).
+"""The app's life cycle on the real stack, in the order a deployment lives it: a rolling update by `serve deploy`
+under load fails no request; the README's serve command, started in the background, stops cleanly on SIGTERM (no
+engine, Ray or zombie process left, no batch line left leased); started again, it finishes the batch that was under
+way, every line recorded once.
 
-Its own app ("lifecycle": the shared test config with room on the hot lane for the streams), marked `disrupts_app`:
-the deploy leaves it on a changed config, and the stop tests stop it to start the serve command themselves.
+Its own app ("lifecycle": the shared test config with room on the hot lane for the streams, started as the README's
+serve command in the background), marked `disrupts_app`: the deploy leaves it on a changed config and the stop
+test stops it. The tests run in this order, each on what the one before left.
 """
 
 from __future__ import annotations
@@ -13,20 +15,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 
 from app.batch.sqlite_store import SqliteBatchStore
 from app.lanes.engine_reaper import descendants, process_table, read_process
-from tests.integration.conftest import (HTTP_PORT, ROOT, kill_orphaned_engine_processes, wait_until,
-                                        write_serve_config, write_shared_test_config)
-from tests.integration.test_faults import submit
+from tests.integration.conftest import wait_until, write_serve_config, write_shared_test_config
+from tests.integration.test_batch_api import wait_for_batch
+from tests.integration.test_faults import assert_each_line_recorded_once, submit
 
 pytestmark = [pytest.mark.app("lifecycle"), pytest.mark.disrupts_app]
 
@@ -137,7 +138,7 @@ def write_lifecycle_config(tmp_dir, tiny_model):
 
 @pytest.fixture(scope="module")
 def lifecycle_app(apps):
-    return apps.use("lifecycle", write_lifecycle_config)
+    return apps.use("lifecycle", write_lifecycle_config, readme_command=True)
 
 
 async def test_serve_deploy_of_a_changed_config_under_load_fails_no_request(lifecycle_app, served_model, tmp_path):
@@ -186,14 +187,6 @@ async def test_serve_deploy_of_a_changed_config_under_load_fails_no_request(life
     assert across, "no stream was in flight when the deploy went in: make the streams longer"
 
 
-def serve_local_command(config) -> list[str]:
-    """The README's serve command. Run from another environment than the repository's own .venv (a worktree), its
-    set-up step would build that .venv, so the script's last line is run directly instead."""
-    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
-        return [str(ROOT / "scripts" / "serve-local.sh"), str(config)]
-    return [sys.executable, "-m", "app.tools.serve_run", str(config)]
-
-
 def app_processes(root_pid: int) -> dict[int, tuple[int, str]]:
     """Every process under `root_pid`: pid -> (start ticks, name)."""
     table = process_table()
@@ -215,65 +208,64 @@ def ray_processes_on_machine() -> list[str]:
                   if info.name.startswith(RAY_PROCESS_PREFIXES))
 
 
-@pytest.fixture(scope="module")
-def own_app_config(apps, tmp_path_factory, tiny_model):
-    """The shared test config, with the AppManager's app stopped: these tests start and stop their own."""
-    apps.stop()
-    tmp_dir = tmp_path_factory.mktemp("serve-local")
-    return write_shared_test_config(tmp_dir, tiny_model), tmp_dir / "batches.sqlite3"
+@dataclass
+class StoppedBatch:
+    """The batch that was running when the serve command was stopped: the restart test finishes it."""
+
+    id: str = ""
+    lines: int = 0
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_the_serve_command_started_in_the_background_stops_cleanly(own_app_config, served_model, stop_signal,
-                                                                   tmp_path):
-    config, store_path = own_app_config
-    assert not ray_processes_on_machine(), "Ray is already running here: this test needs the machine to itself"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    command = " ".join(map(str, serve_local_command(config)))
-    log_path = tmp_path / "serve.log"
-    # `&` in a non-interactive shell: the command starts with SIGINT ignored, as from a script or an unattended job.
-    shell = subprocess.Popen(["bash", "-c", f"{command} >{log_path} 2>&1 & echo $!; wait $!"], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, text=True)
-    pid = int(shell.stdout.readline())
-    url = f"http://127.0.0.1:{HTTP_PORT}"
+STOPPED_BATCH = StoppedBatch()
 
-    def ready() -> bool:
-        try:
-            stats = httpx.get(f"{url}/v1/admin/stats", timeout=10)
-            return stats.status_code == 200 and all("running" in r[0] for r in stats.json()["lanes"].values())
-        except (httpx.HTTPError, ValueError, KeyError):
-            return False
 
+def test_the_serve_command_started_in_the_background_stops_cleanly_on_sigterm(lifecycle_app, served_model):
+    """`kill PID` of the README's serve command started in the background (SIGINT ignored there): the app drains
+    and exits 0, no engine, Ray or zombie process is left, and the batch under way has no line left leased. SIGINT,
+    SIGHUP and the background's ignored SIGINT take the same path in app/tools/serve_run.py
+    (tests/unit/test_serve_run.py)."""
+    app = lifecycle_app
+    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    STOPPED_BATCH.lines = 200
+    batch = submit(client, served_model, STOPPED_BATCH.lines, max_tokens=400)
+    STOPPED_BATCH.id = batch.id
+    assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, timeout_s=120), \
+        "the batch did not start"
+    processes = app_processes(app.pid)
+    assert any(name.startswith("VLLM::") for _, name in processes.values()), processes
+    os.kill(app.pid, signal.SIGTERM)
+    stopped_at = time.monotonic()
     try:
-        assert wait_until(ready, timeout_s=420, interval_s=2), log_path.read_text()[-3000:]
-        import openai
-
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        batch = submit(client, served_model, 200, max_tokens=400)
-        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, timeout_s=120)
-        processes = app_processes(pid)
-        assert any(name.startswith("VLLM::") for _, name in processes.values()), processes
-        os.kill(pid, stop_signal)
-        stopped_at = time.monotonic()
-        exit_code = shell.wait(timeout=180)
+        exit_code = app.process.wait(timeout=180)
         took = time.monotonic() - stopped_at
         wait_until(lambda: not survivors(processes), timeout_s=15)
         left, ray_left = survivors(processes), ray_processes_on_machine()
     finally:
-        if shell.poll() is None or ray_processes_on_machine():  # clean up after a failure, for the next module
-            if shell.poll() is None:
-                os.kill(pid, signal.SIGKILL)
-                shell.wait()
-            subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], env=env,
-                           capture_output=True, timeout=120)
-            kill_orphaned_engine_processes()
-    print(f"{stop_signal.name}: stopped in {took:.0f} s")
-    assert exit_code == 0, log_path.read_text()[-3000:]
+        app.stop()  # forces whatever is left (nothing, after a clean stop), for the next test
+    print(f"SIGTERM: stopped in {took:.0f} s")
+    assert exit_code == 0, app.log_path.read_text()[-3000:]
     assert not left and not ray_left, (left, ray_left)
-    store = SqliteBatchStore(str(store_path))
+    store = SqliteBatchStore(batch_store_path(app))
     try:
         backlog = store.backlog_stats()
         assert backlog.leased_lines == 0, backlog  # released (or recorded) by the stopping dispatcher, not expiring
-        assert store.get_batch(batch.id).request_counts.completed < 200, "finished before the stop: make it longer"
+        assert store.get_batch(batch.id).request_counts.completed < STOPPED_BATCH.lines, \
+            "finished before the stop: make it longer"
     finally:
         store.close()
+
+
+def test_a_batch_survives_a_full_application_restart(lifecycle_app):
+    """The app started again on the same config after the stop above: the batch that was under way finishes, every
+    line recorded exactly once."""
+    assert STOPPED_BATCH.id, "the stop test did not leave a batch under way"
+    app = lifecycle_app
+    app.start()
+    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert_each_line_recorded_once(client, wait_for_batch(client, STOPPED_BATCH.id, timeout_s=420),
+                                   STOPPED_BATCH.lines)
+
+
+def batch_store_path(app) -> str:
+    document = yaml.safe_load(app.config.read_text())
+    return document["applications"][0]["args"]["batch"]["store"]

@@ -136,6 +136,8 @@ def test_a_flooding_tenant_leaves_a_slot_that_another_active_tenants_request_tak
         await asyncio.sleep(0.01)
         b = await asyncio.wait_for(slots.acquire("b"), timeout=0.1)  # past A's line, into the slot kept free
         assert slots.stats()["in_flight_by_tenant"] == {"a": 3, "b": 1} and not any(t.done() for t in waiting_a)
+        # What the admin stats show of it: A's requests joined the line, B's did not.
+        assert slots.stats()["queued_by_tenant"] == {"a": 5}
         assert not slots.at_share("a")  # the lane is full now
         slots.release(flood.pop())  # one of A's finishes: the next of A's line takes its place
         await asyncio.sleep(0.01)
