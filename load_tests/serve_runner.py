@@ -69,6 +69,14 @@ def checkout_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
 
 
+def sigint_default() -> None:
+    """In the child before it runs the start command: SIGINT back to its default. Started from a shell's background
+    (a script, `nohup`, CI) this process has SIGINT ignored, its children inherit that, and a Python child (`serve
+    run`, vLLM's server) would then ignore the SIGINT that stops it gracefully: the stop would wait out its grace
+    period and escalate."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class AppStartError(RuntimeError):
     pass
 
@@ -112,7 +120,8 @@ class ServedApp:
         self._log = open(self.log_path, "ab")
         # Its own session: the whole tree (serve, raylet, workers it spawns) can be signalled as one group.
         self.process = subprocess.Popen(
-            self.start_command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            self.start_command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            preexec_fn=sigint_default,
         )
 
     def wait_ready(self) -> float:

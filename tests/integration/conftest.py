@@ -190,6 +190,14 @@ def kill_orphaned_engine_processes(grace_s: float = 10) -> list[int]:
     return left
 
 
+def sigint_default() -> None:
+    """In a child before it runs `serve run`: SIGINT back to its default. A test run started in the background of a
+    non-interactive shell (a CI job, `scripts/test.sh &`) has SIGINT ignored, Python then installs no
+    KeyboardInterrupt handler in its children, and `serve run` would ignore the Ctrl-C that stops it gracefully:
+    each app's stop then waited out its timeout and was forced."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def serve_local_command(config: Path) -> list[str]:
     """The README's serve command. Run from another environment than the repository's own .venv (a worktree), its
     set-up step would build that .venv, so the script's last line is run directly instead."""
@@ -237,7 +245,7 @@ class AppProcess:
             log = self.log_path.open("a")
             self.process = subprocess.Popen([str(self.bin_dir / "serve"), "run", str(self.config)], cwd=ROOT,
                                             env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=sigint_default)
             log.close()
             self.pid = self.process.pid
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -418,6 +419,37 @@ def test_served_app_waits_until_ready_and_stops_the_process_group(tmp_path):
         assert app.wait_ready() < 30
     assert app.process.poll() is not None
     assert "shutdown called" in (tmp_path / "serve.log").read_text()
+
+
+def test_a_served_app_started_with_sigint_ignored_still_stops_on_its_sigint(tmp_path):
+    """Run from a shell's background (CI, `nohup`) this process has SIGINT ignored; the app it starts must not inherit
+    that, or `serve run` ignores the SIGINT of its graceful stop and each stop waits out the grace period."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        app = ServedApp("http://127.0.0.1:9", tmp_path / "serve.log",
+                        [sys.executable, "-c", "import signal, time; print(signal.getsignal(signal.SIGINT), "
+                                               "flush=True); time.sleep(60)"],
+                        ready_timeout_s=30, poll_interval_s=0.1, stop_grace_s=30)
+        app.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert wait_for_text(tmp_path / "serve.log", "default_int_handler")
+        started = time.monotonic()
+        app.stop()
+        assert time.monotonic() - started < 10  # the SIGINT stopped it, not the SIGTERM after the grace period
+    finally:
+        if app.process.poll() is None:
+            app.process.kill()
+
+
+def wait_for_text(path: Path, text: str, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_served_app_reports_early_exit_with_log_tail(tmp_path):
