@@ -17,6 +17,7 @@ from app.router.breaker import BreakerState
 from app.router.endpoints import CHAT, COMPLETION
 from app.router.http_api import HTTP_ROUTES, make_http_app
 from tests.fakes import FakeLane, FakeStream, generation, make_pipeline, make_router
+from tests.hostile_requests import generated, requests_
 
 
 def completion(**fields):
@@ -492,3 +493,20 @@ def test_a_query_parameter_a_route_does_not_declare_is_refused_naming_it(tmp_pat
             assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
         assert client.get("/v1/files?purpose=batch&limit=5&order=asc").json()["has_more"] is False
         assert client.get("/v1/batches?limit=5").status_code == 200
+
+
+HOSTILE = 1000
+
+
+def test_thousands_of_hostile_bodies_are_never_answered_5xx(http):
+    """The generated hostile bodies of tests/hostile_requests.py (the real app gets 1,200 of them with its engine
+    behind, tests/integration/test_bad_input.py): the Router's surface answers each below 500."""
+    client, _ = http
+    server_errors = []
+    for path, raw in generated(requests_(), HOSTILE):
+        # The fakes serve the model "tiny".
+        raw = raw.replace(b'"model": "tiny-llama"', b'"model": "tiny"')
+        response = client.post(path, content=raw, headers={"content-type": "application/json"})
+        if response.status_code >= 500:
+            server_errors.append((response.status_code, path, raw[:300], response.text[:300]))
+    assert not server_errors, f"{len(server_errors)} answers 5xx, e.g. {server_errors[:5]}"
