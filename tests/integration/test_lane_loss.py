@@ -1,5 +1,6 @@
-"""Losing a replica under load, on an app with two cold-lane replicas and two Router replicas (its own app,
-"lane-loss"; marked `disrupts_app`: it kills replicas).
+"""Losing a replica under load, on an app with two cold-lane replicas and two Router replicas: the app of
+tests/integration/test_security.py (API keys; this module's requests are tenant B's), after that module's tests.
+Marked `disrupts_app`: it kills replicas.
 
 - One of two cold replicas killed (its engine with it) while flex requests and interactive streams run: no request
   fails. A flex request that was running on it had sent nothing yet (a non-streamed answer is one chunk), so the
@@ -15,28 +16,12 @@ import time
 
 import httpx
 import pytest
-import yaml
 
-from tests.integration.conftest import KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until, \
-    write_serve_config, write_shared_test_config
+from tests.integration.conftest import KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until
 from tests.integration.test_lifecycle import DASHBOARD, Load, Outcome
+from tests.integration.test_security import APP, COLD_REPLICAS, KEY_B, ROUTERS, bearer, use_app
 
-pytestmark = [pytest.mark.app("lane-loss"), pytest.mark.disrupts_app]
-
-COLD_REPLICAS = 2
-ROUTER_REPLICAS = 2
-
-
-def write_lane_loss_config(tmp_dir, tiny_model):
-    config = write_shared_test_config(tmp_dir, tiny_model)
-    document = yaml.safe_load(config.read_text())
-    args = document["applications"][0]["args"]
-    args["cold_lane"]["deployment"]["num_replicas"] = COLD_REPLICAS
-    args["router"]["num_replicas"] = ROUTER_REPLICAS
-    # 16 - 4 (realtime) = 12 interactive slots, 6 per Router: the streams fit in one Router's share, nothing is
-    # refused for load, also while the survivor of a Router kill still has its old share.
-    args["hot_lane"]["engine"]["max_num_seqs"] = 16
-    return write_serve_config(config, document)
+pytestmark = [pytest.mark.app(APP), pytest.mark.disrupts_app]
 
 
 def running_replicas(deployment: str) -> int:
@@ -48,12 +33,16 @@ def running_replicas(deployment: str) -> int:
 
 
 def all_replicas_running(_app) -> bool:
-    return running_replicas("ColdLane") == COLD_REPLICAS and running_replicas("Router") == ROUTER_REPLICAS
+    return running_replicas("ColdLane") == COLD_REPLICAS and running_replicas("Router") == ROUTERS
 
 
 @pytest.fixture(scope="module")
 def lane_loss_app(apps):
-    return apps.use("lane-loss", write_lane_loss_config, ready=all_replicas_running)
+    return use_app(apps)
+
+
+def tenant_b(timeout: httpx.Timeout) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=timeout, headers=bearer(KEY_B))
 
 
 def in_flight(load: Load, kind: str, since: float = 0.0, for_s: float = 1.0) -> bool:
@@ -109,7 +98,7 @@ async def flex_reaches_every_cold_replica(client: httpx.AsyncClient, url: str, m
 
 async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, served_model):
     load = Load(lane_loss_app.url, served_model, flex_tokens=600)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30)) as client:
+    async with tenant_b(httpx.Timeout(300, connect=30)) as client:
         # The kill must hit a replica with load on it, and the other must be known to take the load over.
         warmed = await flex_reaches_every_cold_replica(client, lane_loss_app.url, served_model)
         assert len(warmed) == COLD_REPLICAS, f"flex requests reached only {sorted(warmed)}"
@@ -142,7 +131,7 @@ async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lan
     load = Load(lane_loss_app.url, served_model)
     killer = ReplicaKiller("Router", only=False)
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30)) as client:
+        async with tenant_b(httpx.Timeout(120, connect=30)) as client:
             workers = [asyncio.create_task(load.stream_forever(client, i)) for i in range(6)]
             kill = await run_load_around(load, workers, killer, "stream", settle_s=6, after_s=15)
     finally:
@@ -167,4 +156,4 @@ async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lan
     survivors_streams = [o for o in across if o.router and o.router != killed]
     assert all(o.finished for o in survivors_streams), describe([o for o in survivors_streams if not o.finished])
     assert all(o.router in ("", killed) for o in failed if id(o) in {id(a) for a in across}), describe(failed)
-    assert wait_until(lambda: running_replicas("Router") == ROUTER_REPLICAS, timeout_s=120)
+    assert wait_until(lambda: running_replicas("Router") == ROUTERS, timeout_s=120)

@@ -1,5 +1,6 @@
 """Keys, tenants, rate limits, size limits and what listens where, on the real app: serve_configs/local.yaml with API
-keys of three tenants and two Router replicas (real Ray Serve, real vLLM on CPU).
+keys of three tenants, two Router replicas and two cold replicas (real Ray Serve, real vLLM on CPU; the losses of a
+cold replica and of a Router replica, tests/integration/test_lane_loss.py, run on the same app after this module).
 
 The rate limit is checked across both Router replicas: a limit each replica enforced on its own would let twice as
 many requests through.
@@ -29,11 +30,14 @@ from tests.integration.conftest import (
     GRPC_PORT, HTTP_PORT, TEST_MAX_FILE_BYTES, local_test_document, wait_until, write_serve_config,
 )
 
-pytestmark = pytest.mark.app("security")
+# The app of this module and of tests/integration/test_lane_loss.py, which kills replicas and so runs after this one.
+APP = "keys-two-routers"
+pytestmark = pytest.mark.app(APP)
 
 KEY_A, KEY_B, KEY_ADMIN, KEY_LIMITED = (f"sk-test-{name}-5f1e0c9a" for name in ("a", "b", "admin", "limited"))
 RATE_LIMIT_RPM = 30
 ROUTERS = 2
+COLD_REPLICAS = 2  # for tests/integration/test_lane_loss.py: one of two is killed
 MAX_REQUEST_BYTES = 64 * 1024
 APPLICATION = ("application", "llm-lanes")
 
@@ -41,6 +45,7 @@ APPLICATION = ("application", "llm-lanes")
 def write_config(tmp_dir, tiny_model):
     document, args = local_test_document(tiny_model)
     args["cold_lane"]["engine"]["max_num_seqs"] = 8
+    args["cold_lane"]["deployment"]["num_replicas"] = COLD_REPLICAS
     # Hot slots (12 - 4 realtime) / 2 Routers = 4 per Router: the tenant flood fills them with a line behind them
     # while leaving the 2 cores some room, so B's TTFT during the flood measures the turns, not a saturated host.
     args["hot_lane"]["engine"]["max_num_seqs"] = 12
@@ -64,19 +69,26 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def routers_running(app) -> bool:
+def replicas_running(app) -> bool:
+    """Both Routers and both cold replicas RUNNING (`serve status`)."""
     answer = subprocess.run([str(app.bin_dir / "serve"), "status"], env=app.env, capture_output=True, text=True,
                             timeout=60)
     try:
-        states = yaml.safe_load(answer.stdout)["applications"]["llm-lanes"]["deployments"]["Router"]["replica_states"]
-    except (TypeError, KeyError, yaml.YAMLError):
+        deployments = yaml.safe_load(answer.stdout)["applications"]["llm-lanes"]["deployments"]
+        return (deployments["Router"]["replica_states"].get("RUNNING", 0) == ROUTERS
+                and deployments["ColdLane"]["replica_states"].get("RUNNING", 0) == COLD_REPLICAS)
+    except (TypeError, KeyError, AttributeError, yaml.YAMLError):
         return False
-    return states.get("RUNNING", 0) == ROUTERS
+
+
+def use_app(apps):
+    """This module's app, running (also for tests/integration/test_lane_loss.py)."""
+    return apps.use(APP, write_config, ready=replicas_running, headers=bearer(KEY_ADMIN))
 
 
 @pytest.fixture(scope="module")
 def app(apps):
-    return apps.use("security", write_config, ready=routers_running, headers=bearer(KEY_ADMIN))
+    return use_app(apps)
 
 
 @pytest.fixture(scope="module")
