@@ -387,7 +387,9 @@ def test_a_small_batch_of_one_tenant_finishes_before_a_large_one_of_another(url,
         return client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
 
     large = submit(client_a, 400, "large")
-    time.sleep(1)  # A's lines are already running when B's batch comes
+    # A's lines are already running when B's batch comes.
+    assert wait_until(lambda: client_a.batches.retrieve(large.id).request_counts.completed > 0, timeout_s=120,
+                      interval_s=0.2), "A's 400-line batch completed no line within 120 s"
     small = submit(client_b, 10, "small")
     small = wait_for_batch(client_b, small.id)
     large_now = client_a.batches.retrieve(large.id)
