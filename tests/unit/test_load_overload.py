@@ -348,8 +348,9 @@ async def test_closed_loop_streams_wait_out_refusals_against_the_fake_server():
     sock.bind(("127.0.0.1", 0))
     await web.SockSite(runner, sock).start()
     scenario_doc = {"name": "t", "model": "tiny-llama", "request_timeout_s": 10, "tally_headers": TALLY,
+                    # Long enough for more than one request per stream on a busy host (at 0.5 s, a CI run once got one).
                     "streams": [{"name": "ok", "request_class": "interactive", "arrival": {"type": "closed",
-                                 "concurrency": 2}, "duration_s": 0.5, "prompt_tokens": 4, "max_tokens": 3},
+                                 "concurrency": 2}, "duration_s": 1.5, "prompt_tokens": 4, "max_tokens": 3},
                                 # The fake server refuses realtime requests with 429 and Retry-After 7.
                                 {"name": "refused", "request_class": "realtime", "arrival": {"type": "closed",
                                  "concurrency": 2}, "duration_s": 0.5, "prompt_tokens": 4, "max_tokens": 3}]}
