@@ -24,6 +24,9 @@ from tests.integration.test_security import APP, COLD_REPLICAS, KEY_B, ROUTERS, 
 pytestmark = [pytest.mark.app(APP), pytest.mark.disrupts_app]
 
 
+AFTER_KILL_TIMEOUT_S = 240
+
+
 def running_replicas(deployment: str) -> int:
     try:
         app = httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"]["llm-lanes"]
@@ -62,7 +65,8 @@ async def run_load_around(load: Load, workers: list, killer: ReplicaKiller, kind
                           after_s: float, by_last_answer: bool = False) -> KilledReplica:
     """Run the load for `settle_s`, then kill once a request of `kind` is in flight (with `by_last_answer`: the
     replica that answered the latest one, once a request sent after that answer is in flight; else the killer's
-    first), keep the load running `after_s`, stop it; the kill."""
+    first), keep the load running `after_s` and until a request of `kind` sent a second after the kill has ended,
+    stop it; the kill."""
     await asyncio.sleep(settle_s)
     deadline = time.monotonic() + 120
     while True:
@@ -73,6 +77,12 @@ async def run_load_around(load: Load, workers: list, killer: ReplicaKiller, kind
         await asyncio.sleep(0.1)
     kill = await asyncio.to_thread(killer.kill, last.replica if last else "")
     await asyncio.sleep(after_s)
+    # And until a request of `kind` sent well after the kill has ended: what the test asks of the requests after it.
+    deadline = time.monotonic() + AFTER_KILL_TIMEOUT_S
+    while not any(o.kind == kind and o.ended and o.started > kill.killed_at + 1 for o in load.outcomes):
+        assert time.monotonic() < deadline, f"no {kind} request sent after the kill ended within " \
+                                            f"{AFTER_KILL_TIMEOUT_S} s of it"
+        await asyncio.sleep(0.2)
     load.stop.set()
     await asyncio.gather(*workers)
     return kill

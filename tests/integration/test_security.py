@@ -358,7 +358,6 @@ def test_one_tenants_flood_leaves_another_tenants_requests_a_slot_without_a_wait
                                       f"{answer.headers.get('x-llm-lanes-degraded', '')}")
                     assert any(line == "data: [DONE]" for line in answer.iter_lines())
         after = router_views(url, set(before) | set(routers_of_b))
-        a_still_waits = a_line_waits_behind_as_slots(url)
     finally:
         answers = stop_flood(flood)
 
@@ -370,7 +369,8 @@ def test_one_tenants_flood_leaves_another_tenants_requests_a_slot_without_a_wait
     print(f"B's {B_REQUESTS} requests: Routers {routers_of_b}, lanes {sorted(set(lanes_of_b))}; joined a line: "
           f"B {b_queued}, A {a_queued}; A's answers {answers}")
     assert all(count <= 1 for count in b_queued.values()), b_queued
-    assert sum(a_queued.values()) > 0 and a_still_waits, "A's requests stopped queueing: the flood was not one"
+    # Meanwhile A's requests kept joining the line at the Routers that served B: B passed a line, not an empty one.
+    assert all(a_queued[router] > 0 for router in set(routers_of_b)), (a_queued, routers_of_b)
     for router in set(routers_of_b):  # B is active at the Routers it used: A is capped there
         slots = after[router]["hot_slots"]
         assert slots["in_flight_by_tenant"].get("team-a", 0) < slots["limit"], slots
