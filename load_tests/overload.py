@@ -899,8 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     model = (served_args.get("model") or {}).get("served_name") or "tiny-llama"
 
-    from load_tests.serve_runner import (AppStartError, ServedApp, app_url, checkout_env, default_cleanup_commands,
-                                         default_start_command, default_stop_commands)
+    from load_tests.serve_runner import AppStartError, app_url, serve_and_run
 
     url = (args.url or app_url(document)).rstrip("/")
     settings = Settings(
@@ -914,22 +913,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         report = measure(settings, limits, model)
     else:
-        config_path = out / ("served-" + Path(args.serve_config).name)
-        config_path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-        app = ServedApp(url, out / "serve.log", start_command=default_start_command(str(config_path)),
-                        stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
-                        ready_timeout_s=args.ready_timeout, env=checkout_env())
-        _log(f"starting `serve run {config_path}` (log: {app.log_path})")
         try:
-            app.start()
-            _log(f"ready after {app.wait_ready():.0f} s")
-            report = measure(settings, limits, model)
+            report = serve_and_run(document, Path(args.serve_config).name, out, args.ready_timeout,
+                                   lambda _url: measure(settings, limits, model), _log)
         except AppStartError as error:
             print(error, file=sys.stderr)
             return 1
-        finally:
-            _log("shutting down")
-            app.stop()
     paths = write_report(report, out)
     print(paths["markdown"].read_text(encoding="utf-8"))
     print("report: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

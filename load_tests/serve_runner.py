@@ -16,10 +16,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from app.router.arrival_stamp import PROXY_ENV
 from load_tests.gpu_campaign import lanes_answering
@@ -205,3 +207,24 @@ class ServedApp:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def serve_and_run(document: dict[str, Any], config_name: str, out: Path, ready_timeout_s: float,
+                  body: Callable[[str], Any], log: Callable[[str], None],
+                  headers: dict[str, str] | None = None) -> Any:
+    """Serve `document` (written to OUT/served-<config_name>), wait until it is ready, return body(url), stop it.
+    Raises AppStartError when it does not start. `headers` go with the readiness checks (an admin key)."""
+    config_path = out / ("served-" + config_name)
+    config_path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+    url = app_url(document)
+    app = ServedApp(url, out / "serve.log", start_command=default_start_command(str(config_path)),
+                    stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
+                    ready_timeout_s=ready_timeout_s, env=checkout_env(), headers=headers)
+    log(f"starting `serve run {config_path}` (log: {app.log_path})")
+    try:
+        app.start()
+        log(f"ready after {app.wait_ready():.0f} s")
+        return body(url)
+    finally:
+        log("shutting down")
+        app.stop()

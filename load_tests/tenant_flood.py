@@ -40,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
+
+from load_tests import host
 
 PROMPT = "tell me a story " * 8
 KEY_ENV = {"a": "TENANT_FLOOD_KEY_A", "b": "TENANT_FLOOD_KEY_B", "admin": "TENANT_FLOOD_KEY_ADMIN"}
+AUTOGROUP_WORDS = {True: "on", False: "off"}  # host.autogroup_enabled(); None: no such switch
 
 
 # ---- A's flood, in a process of its own -----------------------------------------------------------------------------
@@ -149,15 +151,8 @@ def measure(url: str, model: str, keys: dict[str, str], *, turns: int, samples: 
         "ratios": {"flood_vs_in_share_p50": round(summary["flood"]["p50_ms"] / summary["in_share"]["p50_ms"], 2),
                    "flood_vs_alone_p50": round(summary["flood"]["p50_ms"] / summary["alone"]["p50_ms"], 2)},
         "b_lanes": dict(lanes), "a_answers": answers, "hot_slots_during_flood": hot_slots,
-        "autogroup": autogroup(),
+        "autogroup": host.autogroup_enabled(),
     }
-
-
-def autogroup() -> str:
-    try:
-        return "on" if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1" else "off"
-    except OSError:
-        return "unknown"
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -166,7 +161,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"A's flood: {report['flood_concurrency']} requests at once ({report['max_tokens']} tokens each); A inside "
         f"its share: {report['in_share_concurrency']}. {report['turns']} turns of {report['samples_per_turn']} B "
-        f"requests per phase. Kernel autogroup scheduling: {report['autogroup']}.",
+        f"requests per phase. Kernel autogroup scheduling: {AUTOGROUP_WORDS.get(report['autogroup'], 'unknown')}.",
         "",
         "| phase | B requests | TTFT p50 ms | TTFT p90 ms | p50 per turn ms |",
         "|---|---|---|---|---|",
@@ -234,29 +229,17 @@ def main(argv: list[str] | None = None) -> int:
         keys = {tenant: os.environ[name] for tenant, name in KEY_ENV.items()}
         report = measure(args.url.rstrip("/"), args.model, keys, **options)
     else:
-        from load_tests.serve_runner import (AppStartError, ServedApp, app_url, checkout_env,
-                                             default_cleanup_commands, default_start_command, default_stop_commands)
+        from load_tests.serve_runner import AppStartError, serve_and_run
 
         keys = {tenant: f"sk-tenant-flood-{tenant}-{secrets.token_hex(8)}" for tenant in KEY_ENV}
         document, model = served_config(args.serve_config, keys, out)
-        config_path = out / ("served-" + Path(args.serve_config).name)
-        config_path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-        url = app_url(document)
-        app = ServedApp(url, out / "serve.log", start_command=default_start_command(str(config_path)),
-                        stop_commands=default_stop_commands(), cleanup_commands=default_cleanup_commands(),
-                        ready_timeout_s=args.ready_timeout, env=checkout_env(),
-                        headers={"Authorization": f"Bearer {keys['admin']}"})
-        _log(f"starting `serve run {config_path}` (log: {app.log_path})")
         try:
-            app.start()
-            _log(f"ready after {app.wait_ready():.0f} s")
-            report = measure(url, model, keys, **options)
+            report = serve_and_run(document, Path(args.serve_config).name, out, args.ready_timeout,
+                                   lambda url: measure(url, model, keys, **options), _log,
+                                   headers={"Authorization": f"Bearer {keys['admin']}"})
         except AppStartError as error:
             print(error, file=sys.stderr)
             return 1
-        finally:
-            _log("shutting down")
-            app.stop()
         report["serve_config"] = args.serve_config
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     markdown = render_markdown(report)

@@ -30,6 +30,7 @@ import yaml
 from app.lanes.engine_reaper import descendants, kill_all, process_table
 from app.proto import convert
 from app.router import arrival_stamp
+from load_tests.serve_runner import sigint_default
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
@@ -188,14 +189,6 @@ def kill_orphaned_engine_processes(grace_s: float = 10) -> list[int]:
         warnings.warn(f"{len(left)} vLLM engine processes outlived their replicas by {grace_s} s: killed {left}")
         kill_all(left)
     return left
-
-
-def sigint_default() -> None:
-    """In a child before it runs `serve run`: SIGINT back to its default. A test run started in the background of a
-    non-interactive shell (a CI job, `scripts/test.sh &`) has SIGINT ignored, Python then installs no
-    KeyboardInterrupt handler in its children, and `serve run` would ignore the Ctrl-C that stops it gracefully:
-    each app's stop then waited out its timeout and was forced."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def serve_local_command(config: Path) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.integration.conftest import KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until
 from tests.integration.test_lifecycle import DASHBOARD, Load, Outcome
-from tests.integration.test_security import APP, COLD_REPLICAS, KEY_B, ROUTERS, bearer, use_app
+from tests.integration.test_security import APP, COLD_REPLICAS, KEY_B, ROUTERS, bearer, replicas_running, use_app
 
 pytestmark = [pytest.mark.app(APP), pytest.mark.disrupts_app]
 
@@ -33,10 +33,6 @@ def running_replicas(deployment: str) -> int:
         return sum(replica["state"] == "RUNNING" for replica in app["deployments"][deployment]["replicas"])
     except (httpx.HTTPError, KeyError, ValueError):
         return 0
-
-
-def all_replicas_running(_app) -> bool:
-    return running_replicas("ColdLane") == COLD_REPLICAS and running_replicas("Router") == ROUTERS
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +133,7 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
 
 
 async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lane_loss_app, served_model):
-    assert wait_until(lambda: all_replicas_running(lane_loss_app), timeout_s=240)
+    assert wait_until(lambda: replicas_running(lane_loss_app), timeout_s=240)
     load = Load(lane_loss_app.url, served_model)
     killer = ReplicaKiller("Router", only=False)
     try:

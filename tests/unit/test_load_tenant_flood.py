@@ -28,11 +28,12 @@ def test_the_report_gives_each_phase_and_the_flood_against_a_inside_its_share():
     phases = {phase: {"count": 24, "p50_ms": p50, "p90_ms": p50 * 2, "per_turn_p50_ms": [p50, p50]}
               for phase, p50 in (("alone", 50.0), ("in_share", 60.0), ("flood", 66.0))}
     report = {"flood_concurrency": 12, "in_share_concurrency": 6, "max_tokens": 256, "turns": 2,
-              "samples_per_turn": 12, "autogroup": "off", "phases": phases,
+              "samples_per_turn": 12, "autogroup": False, "phases": phases,
               "ratios": {"flood_vs_in_share_p50": 1.1, "flood_vs_alone_p50": 1.32},
               "b_lanes": {"flood hot:": 24}, "a_answers": {}}
     text = tenant_flood.render_markdown(report)
     assert "| flood | 24 | 66.0 | 132.0 | 66.0, 66.0 |" in text and "**1.1×**" in text
+    assert "autogroup scheduling: off" in text
 
 
 def test_url_mode_needs_the_three_keys(monkeypatch, tmp_path, capsys):
