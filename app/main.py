@@ -34,12 +34,13 @@ def _resolve_local_paths(cfg: AppConfig) -> AppConfig:
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str, Any] | None:
-    """The lane's `request_router_config`: prefix-affinity routing, or None for Serve's power-of-two-choices (asked
-    for, or a lane of one replica: nothing to choose)."""
+def lane_request_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str, Any]:
+    """The lane's `request_router_config`: prefix-affinity routing, or Serve's power-of-two-choices (asked for, or a
+    lane of one replica: nothing to choose). Either reports the replicas it can route to, which the Router reads
+    to serve a lane's requests on the other lane while it has none (app/prefix_cache/replica_sets.py)."""
     settings = cfg.prefix_cache
     if settings.routing != "affinity" or not cfg.keeps_prefix_index(lane):
-        return None
+        return {"request_router_class": "app.prefix_cache.request_router:LaneRouter"}
     return {
         "request_router_class": "app.prefix_cache.request_router:PrefixAffinityRouter",
         "request_router_kwargs": {
@@ -55,7 +56,7 @@ def prefix_affinity_router_config(cfg: AppConfig, lane: LaneConfig) -> dict[str,
 
 def lane_deployment_options(lane: LaneConfig, cfg: AppConfig | None = None) -> dict[str, Any]:
     """Ray Serve options of one lane, derived from the schema (placement group from tensor_parallel_size;
-    request router from prefix_cache.routing when `cfg` is given)."""
+    request router, prefix affinity or not, when `cfg` is given)."""
     settings = lane.deployment
     bundles = placement_group_bundles(lane)
     options: dict[str, Any] = {
@@ -92,11 +93,10 @@ def lane_deployment_options(lane: LaneConfig, cfg: AppConfig | None = None) -> d
             }
     else:
         options["num_replicas"] = settings.num_replicas
-    router_config = prefix_affinity_router_config(cfg, lane) if cfg is not None else None
-    if router_config:
+    if cfg is not None:
         from ray.serve.config import RequestRouterConfig
 
-        options["request_router_config"] = RequestRouterConfig(**router_config)
+        options["request_router_config"] = RequestRouterConfig(**lane_request_router_config(cfg, lane))
     return options
 
 

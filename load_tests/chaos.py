@@ -52,7 +52,8 @@ DEPLOYMENTS = ("Router", "HotLane", "ColdLane", "PrefixCache")
 LANES = {"HotLane": "hot", "ColdLane": "cold"}
 LANE_HEADER = "x-llm-lanes-lane"
 REPLICA_HEADER = "x-llm-lanes-replica"
-TALLY_HEADERS = [LANE_HEADER, REPLICA_HEADER]
+DEGRADED_HEADER = "x-llm-lanes-degraded"
+TALLY_HEADERS = [LANE_HEADER, REPLICA_HEADER, DEGRADED_HEADER]
 CLASSES = ("interactive", "batch")  # batch = the flex completions (service_tier flex)
 
 
@@ -286,6 +287,26 @@ def errors_by_class(records: Iterable[RequestRecord], start_s: float, end_s: flo
     return {cls: dict(counter) for cls, counter in errors.items()}
 
 
+def interactive_while_down(records: Iterable[RequestRecord], killed_s: float,
+                           replaced_s: float | None) -> dict[str, Any]:
+    """The interactive requests sent from the kill until the replacement was RUNNING (`replaced_s` after the kill;
+    None: never, to the end): how many were answered, their TTFT, and the lanes (and degrade reasons) that served
+    them; and the streams under way at the kill that still finished."""
+    end = killed_s + replaced_s if replaced_s is not None else float("inf")
+    mine = [r for r in records if r.request_class == "interactive"]
+    sent = [r for r in mine if killed_s <= r.start_s < end]
+    answered = [r for r in sent if r.ok]
+    across = [r for r in mine if r.start_s < killed_s and r.end_s is not None and r.end_s > killed_s]
+    served_on = Counter(f"{r.headers.get(LANE_HEADER, '?')}"
+                        + (f" ({r.headers[DEGRADED_HEADER]})" if r.headers.get(DEGRADED_HEADER) else "")
+                        for r in answered)
+    return {"sent": len(sent), "answered": len(answered),
+            "answered_share": round(len(answered) / len(sent), 4) if sent else None,
+            "ttft_ms": distribution_ms(r.ttft_s for r in answered if r.ttft_s is not None),
+            "served_on": dict(served_on),
+            "under_way_at_kill": len(across), "under_way_finished": sum(r.ok for r in across)}
+
+
 def class_summary(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
     summary = {}
     for cls in CLASSES:
@@ -302,6 +323,7 @@ def build_report(settings: dict[str, Any], kills: list[dict[str, Any]], records:
     kills = sorted(kills, key=lambda k: k["killed_s"])
     for kill, following in zip(kills, kills[1:] + [None]):
         kill["errors"] = errors_by_class(records, kill["killed_s"], following["killed_s"] if following else None)
+        kill["interactive_while_down"] = interactive_while_down(records, kill["killed_s"], kill.get("replaced_s"))
     before = errors_by_class(records, float("-inf"), kills[0]["killed_s"]) if kills else errors_by_class(
         records, float("-inf"), None)
     return {"settings": settings, "kills": kills, "errors_before_first_kill": before,
@@ -332,6 +354,18 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{_errors(kill['errors'].get('interactive', {}))} | {_errors(kill['errors'].get('batch', {}))} |")
     lines += ["", "Times are seconds after the kill. Errors: requests that ended between this kill and the next, by "
               "HTTP status or `stream` (an error event mid-stream) / `transport` / `timeout`.", "",
+              "Interactive requests from each kill until its replacement was RUNNING, and the streams under way at "
+              "the kill:", "",
+              "| kill | sent | answered | TTFT p50 / p99 (ms) | served on | under way at the kill: finished |",
+              "|---|---|---|---|---|---|"]
+    for kill in report["kills"]:
+        down = kill.get("interactive_while_down") or {}
+        ttft = down.get("ttft_ms") or {}
+        served = ", ".join(f"{lane}: {n}" for lane, n in sorted((down.get("served_on") or {}).items())) or "–"
+        lines.append(f"| {kill['deployment']} | {down.get('sent', 0)} | {down.get('answered', 0)} | "
+                     f"{_s(ttft.get('p50'))} / {_s(ttft.get('p99'))} | {served} | "
+                     f"{down.get('under_way_finished', 0)} of {down.get('under_way_at_kill', 0)} |")
+    lines += ["",
               "| class | requests | ok | errors | E2E p50 / p99 of ok (ms) |", "|---|---|---|---|---|"]
     for cls, summary in report["classes"].items():
         e2e = summary["e2e_ms"]

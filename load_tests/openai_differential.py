@@ -30,6 +30,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -310,19 +311,23 @@ def schema_problems(answer: dict) -> list[str]:
 def compare_answers(app_url: str, vllm_url: str, model: str) -> tuple[int, list[str]]:
     """Every request of REQUESTS (and the streamed ones again, streamed) to both: (requests compared, problems)."""
     compared, problems = 0, []
-    for name, path, body, stream in cases(model):
-        what = f"request {name}: {path} {json.dumps(body)[:300]}"
-        status, ours = post(app_url, path, body, stream)
-        reference_status, theirs = post(vllm_url, path, body, stream)
-        compared += 1
-        if not status == reference_status == 200:
-            problems.append(f"{what}\n  ours {status}: {ours}\n  vLLM {reference_status}: {theirs}")
-            continue
-        pick = normalized_stream if stream else normalized
-        found = answer_differences(pick(ours), pick(theirs))
-        if "response_format" in body and body["response_format"]["type"] == "json_schema":
-            found += schema_problems(pick(ours))
-        problems += [f"{what}\n  {difference}" for difference in found]
+    # One request at a time on each server (greedy answers must not depend on what else an engine batches), the
+    # same request to both at once.
+    with ThreadPoolExecutor(1) as beside:
+        for name, path, body, stream in cases(model):
+            what = f"request {name}: {path} {json.dumps(body)[:300]}"
+            ours_future = beside.submit(post, app_url, path, body, stream)
+            reference_status, theirs = post(vllm_url, path, body, stream)
+            status, ours = ours_future.result()
+            compared += 1
+            if not status == reference_status == 200:
+                problems.append(f"{what}\n  ours {status}: {ours}\n  vLLM {reference_status}: {theirs}")
+                continue
+            pick = normalized_stream if stream else normalized
+            found = answer_differences(pick(ours), pick(theirs))
+            if "response_format" in body and body["response_format"]["type"] == "json_schema":
+                found += schema_problems(pick(ours))
+            problems += [f"{what}\n  {difference}" for difference in found]
     return compared, problems
 
 

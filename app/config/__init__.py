@@ -94,6 +94,10 @@ class AdmissionConfig(StrictModel):
     # Admission's own decisions aim this share of the target lower: the first token still has to go back through
     # the HTTP proxy to the client, which the Router does not see, and its start estimates come from recent load.
     interactive_ttft_headroom: float = Field(0.1, ge=0, lt=1)
+    # Realtime requests are to start within this. It only decides where a realtime request may be served degraded:
+    # with no running hot replica, on the cold lane (at realtime priority) while that lane's recent first tokens
+    # come within it, else 503 with Retry-After (app/router/spill.py, rule 6).
+    realtime_ttft_slo_s: float = Field(0.5, gt=0)
     realtime_queue_bound: int = Field(32, ge=0)
     interactive_queue_bound: int = Field(128, ge=0)
     # With API keys of several tenants, one tenant may fill at most this share of a class's queue bound, so the

@@ -40,6 +40,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.config import PrefixCacheConfig
@@ -60,6 +61,7 @@ from app.prefix_cache.policy import (
     decide,
 )
 from app.prefix_cache.realtime_reserve import split_by_reserve
+from app.prefix_cache.replica_sets import replica_died, replicas_listed
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +176,25 @@ def _handle_routers_run_in_separate_loop() -> bool:
     return bool(RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP)
 
 
-class PrefixAffinityRouter(RequestRouter):
+class ReportsReplicaSet:
+    """A lane's request router that reports the replicas it can route to (replica_sets.py) as Serve changes them:
+    the controller's list of RUNNING replicas, and a replica dropped at once when a call to it found its actor dead."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        replicas_listed(self._deployment_id.name, (r.replica_id.to_full_id_str() for r in replicas))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        replica_died(self._deployment_id.name, replica_id.to_full_id_str())
+
+
+class LaneRouter(ReportsReplicaSet, PowerOfTwoChoicesRequestRouter):
+    """Serve's power-of-two-choices routing, for a lane without prefix affinity (one replica, or
+    prefix_cache.routing "pow2"), reporting its replicas."""
+
+
+class PrefixAffinityRouter(ReportsReplicaSet, RequestRouter):
     def initialize_state(
         self,
         settings: Mapping[str, Any] | PrefixCacheConfig,

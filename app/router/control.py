@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from app.batch.store import DEFAULT_TENANT
@@ -53,8 +54,12 @@ def cold_spill_slots_per_replica(cfg: AppConfig) -> int:
 
 
 class TrafficControl:
-    def __init__(self, cfg: AppConfig, clock=time.monotonic):
+    def __init__(self, cfg: AppConfig, clock=time.monotonic,
+                 routable_replicas: Callable[[Lane], int | None] | None = None):
+        """`routable_replicas(lane)`: the lane's replicas this Router's handle can send a request to now (None:
+        not known yet); a lane with none is routed around (spill.py, rule 6)."""
         self.cfg = cfg
+        self.routable_replicas = routable_replicas or (lambda lane: None)
         admission = cfg.admission
         self.enabled = admission.enabled
         self.clock = clock
@@ -129,10 +134,11 @@ class TrafficControl:
         # A half-open breaker whose probes are taken refuses too (retry_after_s > 0): the decision moves or holds
         # the request instead of starting it into a refusal.
         open_breakers = {lane: wait for lane, b in self.breakers.items() if (wait := b.retry_after_s()) > 0}
+        lanes_down = self.lanes_down()
         if not self.enabled:
             return decide_route(RouteInputs(request_class, prompt_tokens, max_tokens, self.lane_caps,
                                             long_context_threshold=10**12, open_breakers=open_breakers,
-                                            continuation=continuation))
+                                            lanes_down=lanes_down, continuation=continuation))
         hot_slots = self._hot_slot_state(tenant)
         # Spill room is only asked for when the hot lane cannot take the request now (spill.py, rule 5d).
         needs_spill_room = request_class is RequestClass.INTERACTIVE and (
@@ -147,6 +153,10 @@ class TrafficControl:
             hot_wait_expired=hot_wait_expired,
             hot_kv_exhausted=self.clock() < self._hot_kv_exhausted_until,
             open_breakers=open_breakers,
+            lanes_down=lanes_down,
+            realtime_ttft_target_s=admission.realtime_ttft_slo_s,
+            cold_start_s=(self.cold_spill.start_latency_s() if Lane.HOT in lanes_down and self.cold_spill is not None
+                          and request_class is RequestClass.REALTIME else 0.0),
             decode_handoff_tokens=admission.interactive_decode_handoff_tokens,
             has_stop_strings=has_stop_strings,
             continuation=continuation,
@@ -155,6 +165,13 @@ class TrafficControl:
             earliest = hot_slots.predicted_wait_s - self.interactive_ttft_target_s
             decision = replace(decision, retry_after_s=self._interactive_retry_after_s(earliest))
         return decision
+
+    def lanes_down(self) -> frozenset[Lane]:
+        """Lanes with no replica this Router can send a request to now (lost, or none started yet). An app of one
+        lane has nowhere else to serve them: its requests wait in Serve's handle for a replica, as before."""
+        if self.cfg.cold_lane is None:
+            return frozenset()
+        return frozenset(lane for lane in self.breakers if self.routable_replicas(lane) == 0)
 
     def _hot_slot_state(self, tenant: str = DEFAULT_TENANT) -> HotSlotState | None:
         """Free hot slots, and the predicted first token of a request that would wait for one: the wait plus the

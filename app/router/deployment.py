@@ -22,6 +22,7 @@ from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneReplicaLost, LaneRequest
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
 from app.prefix_cache.mirror import mirror_stats
+from app.prefix_cache.replica_sets import routable_replicas
 from app.router.auth import KeyRing
 from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
 from app.router.control import TrafficControl
@@ -75,6 +76,9 @@ async def admin_document(lane_handles: dict[Lane, Any], prefix_cache, pipeline: 
         # This Router replica's id, as its answers' x-llm-lanes-router header says it.
         "router": {"replica": router_replica_id,
                    "breakers": control.breaker_states(), "queued_by_class": control.queue_depths(),
+                   # Lane replicas this Router's handles can send a request to now (None: not known yet); a lane
+                   # at 0 is served around (spill.py, rule 6) until one runs again.
+                   "routable_replicas": {lane.value: control.routable_replicas(lane) for lane in lanes},
                    # This Router's share of the hot engines' slots for interactive requests, and of the cold
                    # lane's room for spilled ones: limit, in flight, waiting, peak, hold time.
                    **control.slot_stats(),
@@ -165,7 +169,9 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         self.router_replica_id = serve.get_replica_context().replica_id.unique_id
         # Running replicas per lane, read from the Serve controller every few seconds; None until the first read.
         self.lane_replicas: dict[str, int | None] = {lane.value: None for lane in handles}
-        self.control = TrafficControl(cfg)
+        # Lanes whose handle has no replica to send a request to are routed around (spill.py, rule 6).
+        self.control = TrafficControl(
+            cfg, routable_replicas=lambda lane: routable_replicas(LANE_DEPLOYMENTS[lane.value]))
         if len(self.keyring.tenants) > 1:
             # Tenants share each class's queue: one tenant's flood leaves room for the others' requests.
             self.control.back_pressure.share_between_tenants(cfg.admission.tenant_queue_share)

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # takes the dead replica out of rotation at its first error, so a retry reaches another replica, or waits in the
 # handle for the replacement. More losses in a row are a lane going down as a whole, which its breaker answers.
 LANE_LOSS_RETRIES = 2
+# How often a call waiting for its first chunk looks whether its lane still has a replica.
+LANE_DOWN_CHECK_S = 0.5
 
 
 class LaneStream(Protocol):
@@ -116,6 +118,11 @@ class LaneCall:
         self._handed_off_ids: list[int] = []
         self._handoff_due = False
         self._continued = False
+        # A stream whose lane replica is lost mid-answer goes on elsewhere from the tokens the client has (a
+        # continuation, as the decode handoff's): the current lane call's token ids, and the resumptions so far.
+        self._prompt_ids = context.lane_request.prompt_token_ids
+        self._call_ids: list[int] = []
+        self._resumed = 0
 
     @property
     def request_class(self) -> RequestClass:
@@ -231,7 +238,7 @@ class LaneCall:
         self.context.lane_request = replace(
             request, priority=decision.priority, sampling=sampling,
             may_spill=self.control.may_spill(self.request_class, decision.lane),
-            return_token_ids=decision.handoff_after is not None)
+            return_token_ids=decision.handoff_after is not None or self._resumable())
         self._requested_max_tokens = decision.max_tokens
         return await self._open_stream()
 
@@ -239,7 +246,7 @@ class LaneCall:
         try:
             # Inside the try: the handle itself can refuse (no replica yet, back-pressure) before any chunk.
             self.stream = self.lanes.open(self.lane, self.context.lane_request)
-            return self._client_view(await self._next_chunk())
+            return self._client_view(await self._first_chunk())
         except LaneSaturated:
             self.stream.cancel()
             raise
@@ -249,6 +256,23 @@ class LaneCall:
         except BaseException as error:
             self._fail(error)
             raise self._as_openai_error(error) from None
+
+    async def _first_chunk(self) -> LaneChunk:
+        """The lane's first chunk, or LaneReplicaLost once its lane has no replica left: a call that reached Serve's
+        handle before the Router knew the lane was down would wait there for the replacement (tens of seconds
+        while an engine loads) instead of being decided again (spill.py, rule 6)."""
+        async with asyncio.timeout(self._remaining()):
+            pending = asyncio.ensure_future(anext(self.stream))
+            try:
+                while True:
+                    done, _ = await asyncio.wait((pending,), timeout=LANE_DOWN_CHECK_S)
+                    if done:
+                        return pending.result()
+                    if self.lane in self.control.lanes_down():
+                        raise LaneReplicaLost(f"the {self.lane.value} lane has no replica left")
+            finally:
+                if not pending.done():
+                    pending.cancel()
 
     # ---- stream ----------------------------------------------------------------------------------------------------
 
@@ -266,6 +290,10 @@ class LaneCall:
                     break
                 except BaseException as error:
                     self._fail(error)
+                    if isinstance(error, LaneReplicaLost) and self._resumed < LANE_LOSS_RETRIES \
+                            and self._resumable() and self._remaining() > 0:
+                        self._resume_elsewhere()
+                        continue
                     converted = self._as_openai_error(error)
                     record.failed(converted.status if isinstance(converted, api.OpenAIError)
                                   else CLIENT_CLOSED_STATUS, self._output_tokens())
@@ -288,10 +316,11 @@ class LaneCall:
         """A chunk from the lane, as the client sees it: the continuation's counts go on from the hot part's, and
         the hot part's last chunk is not final when the cold lane is to go on."""
         if self._continued:
+            self._call_ids.extend(chunk.token_ids)
             return replace(chunk, completion_tokens=chunk.completion_tokens + len(self._handed_off_ids),
-                           prompt_tokens=len(self.context.lane_request.prompt_token_ids) - len(self._handed_off_ids),
-                           cached_prompt_tokens=self._first.cached_prompt_tokens)
+                           prompt_tokens=len(self._prompt_ids), cached_prompt_tokens=self._first.cached_prompt_tokens)
         if self._handoff_after is None:
+            self._call_ids.extend(chunk.token_ids)
             return chunk
         self._handed_off_ids.extend(chunk.token_ids)
         if chunk.finish_reason == "length" and chunk.completion_tokens == self._handoff_after:
@@ -309,11 +338,36 @@ class LaneCall:
         done = len(self._handed_off_ids)
         remaining = self._requested_max_tokens - done
         decision = self.route(self.context, continuation_tokens=done, max_tokens=remaining)
+        self._open_continuation(decision, remaining, "decode")
+
+    def _resumable(self) -> bool:
+        """A stream whose answer a continuation carries exactly (as the decode handoff's: one choice, no logprobs,
+        seed, penalties, structured output or stop strings)."""
+        return self.context.lane_request.stream and self.context.handoff_blocker is None
+
+    def _resume_elsewhere(self) -> None:
+        """Its lane replica was lost mid-answer (the failure is recorded): the rest of the answer from the tokens the
+        client has, where the routing decision for a continuation sends it. The client sees a pause, not an error."""
+        self._resumed += 1
+        self._handed_off_ids = [*self._handed_off_ids, *self._call_ids]
+        self._call_ids = []
+        self._handoff_after = None
+        self._handoff_due = False
+        done = len(self._handed_off_ids)
+        remaining = self._requested_max_tokens - done
+        logger.warning("request %s: its %s lane replica was lost after %d tokens; resuming it", self.context.request_id,
+                       self.lane.value, done)
+        decision = self.route(self.context, continuation_tokens=done, max_tokens=remaining)
+        self._open_continuation(decision, remaining, f"resumed{self._resumed}")
+
+    def _open_continuation(self, decision: RouteDecision, remaining: int, label: str) -> None:
+        """The rest of the answer as a new lane call: the client's prompt and every token it has, `remaining` more."""
         request = self.context.lane_request
         self.context.lane_request = replace(
-            request, request_id=f"{request.request_id}-decode", priority=decision.priority,
-            prompt_token_ids=[*request.prompt_token_ids, *self._handed_off_ids],
-            sampling=replace(request.sampling, max_tokens=remaining), may_spill=False, return_token_ids=False)
+            request, request_id=f"{request.request_id}-{label}", priority=decision.priority,
+            prompt_token_ids=[*self._prompt_ids, *self._handed_off_ids],
+            sampling=replace(request.sampling, max_tokens=remaining), may_spill=False,
+            return_token_ids=self._resumable())
         self._continued = True
         self._handoff_after = None
         self._lane_done = False

@@ -170,6 +170,13 @@ class _LaneEngineClient:
         """Admission is the pipeline's (per class, with 429 + Retry-After), at launch."""
 
     def generate(self, engine_input, sampling_params, request_id: str, **kwargs):
+        if not engine_input.get("prompt_token_ids"):
+            # The engine refuses it too, but only once the pipeline has admitted the request: under load the client
+            # would be told 429 for a request that can never succeed. Raised here, before any prompt of the request
+            # is launched (vLLM's serving code asks for every prompt's generator first).
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError("The decoder prompt cannot be empty", parameter="prompt")
         scope = _SCOPE.get()
         outputs = _outputs(scope, engine_input, sampling_params, request_id, kwargs)
         scope.generators.append(outputs)

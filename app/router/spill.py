@@ -4,9 +4,10 @@ waits in the Router for a hot-lane slot, and whether the cold lane takes over it
 The rule, in order:
 1. Refuse (400) only what no lane can serve: prompt + max_tokens (after the lane's max_tokens cap) above every lane's
    max_model_len.
-2. A decode continuation (the rest of an answer whose first tokens the hot lane generated) runs on the cold lane at
-   interactive priority, or on the hot lane again while the cold lane's breaker is open (the client already has its
-   first tokens: finishing beats failing).
+2. A continuation (the rest of an answer whose first tokens an earlier lane call generated: the decode handoff's, or
+   a stream whose lane replica was lost mid-answer) runs on the cold lane for interactive (at interactive priority)
+   and on its home lane for the other classes; on the other lane while that one's breaker is open or it has no
+   replica (the client already has its first tokens: finishing beats failing).
 3. Start from the class's home lane (realtime, interactive: hot; batch: cold).
 4. Long-context degrade: a prompt above `long_context_threshold` tokens goes to the cold lane, whatever its class,
    so one long prefill does not stall everyone's TTFT on the hot lane.
@@ -25,13 +26,17 @@ The rule, in order:
    instead of `hot_saturated`, a refusal `tenant_share_full` instead of `hot_lane_full`.
    The Router never sends the hot engines more interactive work than they run at once, and never leaves a hot slot
    idle while an interactive request waits for one.
-6. A lane that cannot fit the request, or whose breaker refuses requests now (open, or half-open with its probes
-   taken), hands over to the other lane when allowed: always for "does not fit"; for a refusing breaker only for
-   interactive, or to bring a request back to its home lane. Otherwise:
-   a. batch waits in the Router for its lane (cold) for the breaker's Retry-After, then is decided again, until its
-      deadline: a lane that is down (a replica restarting, its engine loading) costs batch work time, not a 503.
-      It does not move to the hot lane: flex requests and batch lines (up to the dispatchers' windows) would take
-      the hot slots that interactive requests wait for, for as long as the cold lane is down;
+6. A lane that cannot fit the request, whose breaker refuses requests now (open, or half-open with its probes
+   taken), or that has no replica to send it to (its only replica lost, or none started yet: Serve's handle would
+   hold the request until one runs) hands over to the other lane when allowed: always for "does not fit"; for a
+   refusing breaker or a lane without replicas, interactive (at interactive priority on the cold lane), realtime
+   from a hot lane without replicas when the cold lane's predicted first token is within the realtime TTFT target
+   (at realtime priority, ahead of everything there), and any class back to its home lane. Otherwise:
+   a. batch waits in the Router for its lane (cold) for the breaker's Retry-After (a lane without replicas: a
+      second), then is decided again, until its deadline: a lane that is down (a replica restarting, its engine
+      loading) costs batch work time, not a 503. It does not move to the hot lane: flex requests and batch lines
+      (up to the dispatchers' windows) would take the hot slots that interactive requests wait for, for as long as
+      the cold lane is down;
    b. realtime and interactive: 503 with the breaker's Retry-After (waiting would spend their latency target).
 7. max_tokens above the chosen lane's cap is clipped, not refused.
 8. Decode handoff: an interactive request that starts on the hot lane hands its decode to the cold lane after
@@ -64,14 +69,22 @@ REASON_HOT_SATURATED = "hot_saturated"
 REASON_TENANT_SHARE = "tenant_share"
 REASON_KV_HEADROOM = "hot_kv_headroom"
 REASON_MAX_TOKENS_CLIPPED = "max_tokens_clipped"
-# Every reason the decision can give, for dashboards and the doctor (the breaker and context ones name a lane).
+# Every reason the decision can give, for dashboards and the doctor (the breaker, replica and context ones name a
+# lane).
 REASONS = (REASON_LONG_CONTEXT, REASON_HOT_SATURATED, REASON_TENANT_SHARE, REASON_KV_HEADROOM,
            REASON_MAX_TOKENS_CLIPPED, REASON_DECODE_ON_COLD, "hot_breaker_open", "cold_breaker_open",
-           "exceeds_hot_max_model_len", "exceeds_cold_max_model_len")
+           "hot_lane_down", "cold_lane_down", "exceeds_hot_max_model_len", "exceeds_cold_max_model_len")
+# Retry-After of a request refused because its lane has no replica, and how often batch work waiting for such a lane
+# looks again: a replacement is RUNNING within seconds of its engine loading.
+LANE_DOWN_RETRY_S = 1.0
 
 
 def reason_breaker_open(lane: Lane) -> str:
     return f"{lane.value}_breaker_open"
+
+
+def reason_lane_down(lane: Lane) -> str:
+    return f"{lane.value}_lane_down"
 
 
 def reason_exceeds_context(lane: Lane) -> str:
@@ -110,6 +123,12 @@ class RouteInputs:
     hot_kv_exhausted: bool = False
     # Lanes whose breaker refuses requests now, with the breaker's Retry-After in seconds.
     open_breakers: Mapping[Lane, float] = field(default_factory=dict)
+    # Lanes with no replica to send a request to (lost, or not started yet).
+    lanes_down: frozenset[Lane] = frozenset()
+    # Realtime requests are to start within this; a realtime request goes to the cold lane (its hot lane down) only
+    # when `cold_start_s`, the cold lane's predicted time to a first token, is within it.
+    realtime_ttft_target_s: float = math.inf
+    cold_start_s: float = 0.0
     # Decode handoff (app/router/handoff.py): tokens the hot lane generates before the cold lane goes on (0: off).
     decode_handoff_tokens: int = 0
     has_stop_strings: bool = False
@@ -161,7 +180,8 @@ def retry_after_s(seconds: float) -> int:
 
 def _interactive_on_hot(inputs: RouteInputs, reasons: list[str]) -> tuple[Lane, bool] | RouteRefusal:
     """Rule 5: (lane, wait for a hot slot) for an interactive request whose lane so far is the hot lane."""
-    cold_usable = Lane.COLD in inputs.lane_caps and Lane.COLD not in inputs.open_breakers
+    cold_usable = (Lane.COLD in inputs.lane_caps and Lane.COLD not in inputs.open_breakers
+                   and Lane.COLD not in inputs.lanes_down)
     if inputs.hot_refused_for_kv or inputs.hot_kv_exhausted:
         reasons.append(REASON_KV_HEADROOM if inputs.hot_refused_for_kv else REASON_HOT_SATURATED)
         return Lane.COLD, False
@@ -204,8 +224,14 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
         )
 
     if inputs.continuation:
-        lane = Lane.COLD if Lane.COLD in inputs.lane_caps and Lane.COLD not in inputs.open_breakers else Lane.HOT
-        priority = COLD_LANE_INTERACTIVE_PRIORITY if lane is Lane.COLD else policy_for(cls).priority
+        # The decode handoff's lane for interactive; a resumed stream of another class goes back to its home lane.
+        lane = Lane.COLD if cls is RequestClass.INTERACTIVE else policy_for(cls).lane
+        other = _other(lane)
+        if (lane not in inputs.lane_caps or lane in inputs.open_breakers or lane in inputs.lanes_down) and (
+                other in inputs.lane_caps and other not in inputs.open_breakers and other not in inputs.lanes_down):
+            lane = other
+        priority = (COLD_LANE_INTERACTIVE_PRIORITY if cls is RequestClass.INTERACTIVE and lane is Lane.COLD
+                    else policy_for(cls).priority)
         return RouteDecision(lane=lane, priority=priority, max_tokens=inputs.max_tokens)
 
     reasons: list[str] = []
@@ -215,7 +241,7 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
     if lane is Lane.HOT and cold_exists and inputs.prompt_tokens > inputs.long_context_threshold:
         lane = Lane.COLD
         reasons.append(REASON_LONG_CONTEXT)
-    elif lane is Lane.HOT and cold_exists and cls is RequestClass.INTERACTIVE:
+    elif lane is Lane.HOT and cold_exists and cls is RequestClass.INTERACTIVE and Lane.HOT not in inputs.lanes_down:
         chosen = _interactive_on_hot(inputs, reasons)
         if isinstance(chosen, RouteRefusal):
             return chosen
@@ -228,26 +254,29 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
         lane = _other(lane)
         wait_for_hot_slot = False
 
-    if lane in inputs.open_breakers:
+    if lane in inputs.open_breakers or lane in inputs.lanes_down:
         other = _other(lane)
+        lane_down = lane not in inputs.open_breakers
         can_move = (
             other in inputs.lane_caps
             and fits.get(other, False)
             and other not in inputs.open_breakers
-            and _breaker_reroute_allowed(cls, other)
+            and other not in inputs.lanes_down
+            and (_breaker_reroute_allowed(cls, other)
+                 or (cls is RequestClass.REALTIME and lane_down and lane is Lane.HOT
+                     and inputs.cold_start_s <= inputs.realtime_ttft_target_s))
         )
+        reason = reason_lane_down(lane) if lane_down else reason_breaker_open(lane)
+        wait_s = LANE_DOWN_RETRY_S if lane_down else inputs.open_breakers[lane]
         if not can_move and cls is RequestClass.BATCH and lane is Lane.COLD:
             return RouteDecision(lane=lane, priority=policy_for(cls).priority, max_tokens=inputs.max_tokens,
-                                 reasons=(*reasons, reason_breaker_open(lane)),
-                                 wait_for_lane_s=max(inputs.open_breakers[lane], LANE_WAIT_MIN_S))
+                                 reasons=(*reasons, reason), wait_for_lane_s=max(wait_s, LANE_WAIT_MIN_S))
         if not can_move:
-            return RouteRefusal(
-                503,
-                reason_breaker_open(lane),
-                f"the {lane.value} lane is failing and has been taken out of service for a moment; retry later",
-                retry_after_s=max(1, math.ceil(inputs.open_breakers[lane])),
-            )
-        reasons.append(reason_breaker_open(lane))
+            what = ("has no running replica (lost or starting)" if lane_down
+                    else "is failing and has been taken out of service for a moment")
+            return RouteRefusal(503, reason, f"the {lane.value} lane {what}; retry later",
+                                retry_after_s=max(1, math.ceil(wait_s)))
+        reasons.append(reason)
         lane = other
         wait_for_hot_slot = False
 
@@ -268,6 +297,9 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
         reasons.append(REASON_DECODE_ON_COLD)
     return RouteDecision(lane=lane, priority=priority, max_tokens=max_tokens, reasons=tuple(reasons),
                          wait_for_hot_slot=wait_for_hot_slot and takes_hot_slot, takes_hot_slot=takes_hot_slot,
-                         takes_cold_spill=(interactive and lane is Lane.COLD
-                                           and not {REASON_HOT_SATURATED, REASON_TENANT_SHARE}.isdisjoint(reasons)),
+                         # Spilled for load, or moved off a hot lane without replicas (then over the spill room:
+                         # its slots count the lane's starts, what a realtime request's move is predicted from).
+                         takes_cold_spill=(cls is not RequestClass.BATCH and lane is Lane.COLD
+                                           and not {REASON_HOT_SATURATED, REASON_TENANT_SHARE,
+                                                    reason_lane_down(Lane.HOT)}.isdisjoint(reasons)),
                          handoff_after=handoff_after)

@@ -7,17 +7,21 @@ Marked `disrupts_app`: it kills replicas.
   Router starts it again on the other replica; while the cold lane's breaker refuses, flex waits for it.
 - One of two Router replicas killed while streams run through the proxy: only streams that were on it (its id in
   their `x-llm-lanes-router` header) can end early; every request sent after the kill is answered.
+- The only hot replica killed: the streams under way resume on the cold lane; interactive requests sent after the
+  kill run on the cold lane (the module's last test: the replacement is not waited for).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.integration.conftest import KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until
+from tests.integration.conftest import (KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until,
+                                        wait_until_async)
 from tests.integration.test_lifecycle import DASHBOARD, Load, Outcome
 from tests.integration.test_security import APP, COLD_REPLICAS, KEY_B, ROUTERS, bearer, replicas_running, use_app
 
@@ -25,6 +29,10 @@ pytestmark = [pytest.mark.app(APP), pytest.mark.disrupts_app]
 
 
 AFTER_KILL_TIMEOUT_S = 240
+# Interactive probes long enough that one is under way at a kill (a few seconds on the CPU engine).
+PROBE_TOKENS = 200
+# Probes sent after the hot replica's kill, and answered, before the test looks at where they ran.
+DEGRADED_PROBES = 6
 
 
 def running_replicas(deployment: str) -> int:
@@ -163,3 +171,86 @@ async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lan
     assert all(o.finished for o in survivors_streams), describe([o for o in survivors_streams if not o.finished])
     assert all(o.router in ("", killed) for o in failed if id(o) in {id(a) for a in across}), describe(failed)
     assert wait_until(lambda: running_replicas("Router") == ROUTERS, timeout_s=120)
+
+
+@dataclass
+class Probe:
+    sent: float
+    ended: float = 0.0
+    status: int = 0
+    lane: str = ""
+    replica: str = ""
+    degraded: str = ""
+    streaming: bool = False  # its first chunk came
+    finished: bool = False
+    error: str = ""
+
+
+async def interactive_probes(client: httpx.AsyncClient, url: str, model: str, probes: list[Probe],
+                             stop: asyncio.Event) -> None:
+    """Short streamed interactive chats, back to back, each one's lane and x-llm-lanes-degraded kept."""
+    while not stop.is_set():
+        probe = Probe(time.monotonic())
+        probes.append(probe)
+        body = {"model": model, "messages": [{"role": "user", "content": "probe"}], "max_tokens": PROBE_TOKENS,
+                "ignore_eos": True, "stream": True}
+        try:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                probe.status = response.status_code
+                probe.lane = response.headers.get("x-llm-lanes-lane", "")
+                probe.replica = response.headers.get("x-llm-lanes-replica", "")
+                probe.degraded = response.headers.get("x-llm-lanes-degraded", "")
+                async for line in response.aiter_lines():
+                    probe.streaming = True
+                    if line == "data: [DONE]":
+                        probe.finished = response.status_code == 200
+                    elif line.startswith("data: ") and '"error"' in line:
+                        probe.error = line[:300]
+                if not probe.finished and not probe.error:
+                    probe.error = (await response.aread()).decode()[:300]
+        except httpx.HTTPError as error:
+            probe.error = repr(error)
+        probe.ended = time.monotonic()
+        await asyncio.sleep(0.2)
+
+
+async def test_losing_the_only_hot_replica_resumes_its_streams_and_serves_interactive_on_the_cold_lane(
+        lane_loss_app, served_model):
+    """kill -9 of the one HotLane replica: streams under way resume on the cold lane from the tokens they had sent
+    (no error event), and interactive requests sent after it run on the cold lane at once (x-llm-lanes-degraded:
+    hot_lane_down) instead of waiting in Serve's handle for the replacement."""
+    assert wait_until(lambda: replicas_running(lane_loss_app), timeout_s=240)
+    probes: list[Probe] = []
+    stop = asyncio.Event()
+    killer = await asyncio.to_thread(ReplicaKiller, "HotLane", only=True)
+    try:
+        async with tenant_b(httpx.Timeout(120, connect=30)) as client:
+            workers = [asyncio.create_task(interactive_probes(client, lane_loss_app.url, served_model, probes, stop))
+                       for _ in range(3)]
+            # Killed while a stream on it is under way.
+            assert await wait_until_async(lambda: any(p.lane == "hot" and p.streaming and not p.ended
+                                                       for p in probes), 60), probes
+            kill = await asyncio.to_thread(killer.kill)
+
+            def served_after_the_kill() -> list[Probe]:
+                return [p for p in probes if p.sent > kill.killed_at + 1 and p.ended]
+
+            assert await wait_until_async(lambda: len(served_after_the_kill()) >= DEGRADED_PROBES, 120), probes
+            stop.set()
+            await asyncio.gather(*workers)
+    finally:
+        killer.close()
+    across = [p for p in probes if p.sent < kill.sent_at < p.ended]
+    # Sent a second after the kill: the Routers learn it from the first call that finds the replica dead, or from
+    # the controller's health check. (Back on the hot lane once a replacement runs: tests/unit/test_replica_sets.py,
+    # and the time it takes in load_tests/chaos.py.)
+    after = served_after_the_kill()
+    failed = [p for p in probes if p.ended and not p.finished]
+    print(f"hot replica killed: {len(probes)} interactive requests ({len(across)} under way at the kill), "
+          f"{len(after)} sent after it: lanes {sorted({(p.lane, p.degraded) for p in after})}; failed: "
+          f"{[p.error[:80] for p in failed]}")
+    assert across, "no request was under way at the kill"
+    assert not failed, [(round(p.sent - kill.killed_at, 1), p.status, p.error[:160]) for p in failed][:10]
+    assert all(p.lane == "cold" and "hot_lane_down" in p.degraded.split(",") for p in after), \
+        [(round(p.sent - kill.killed_at, 1), p.lane, p.degraded) for p in after][:10]
+    assert wait_until(lambda: not orphaned_engine_processes(), timeout_s=30), orphaned_engine_processes()

@@ -260,8 +260,11 @@ def test_cold_lane_scales_out_on_backlog_warms_the_new_replica_and_scales_back(s
     assert wait_until(lambda: any(r["replica_id"] == new["replica_id"] and r["served_by_class"].get("batch", 0) > 0
                                   for r in lanes(url)["cold"]), timeout_s=60), lanes(url)["cold"]
 
+    # The rest of the backlog is not this test's subject (a batch's completion is test_batch_api's): cancelled, its
+    # queued lines leave the backlog, the lines under way finish, and the lane scales back.
+    client.batches.cancel(batch.id)
     done = wait_for_batch(client, batch.id, timeout_s=600)
-    assert done.status == "completed" and done.request_counts.completed == BATCH_LINES, done
+    assert done.status == "cancelled" and done.request_counts.completed > 0, done
     drained_at = time.monotonic()
     assert wait_until(lambda: len(lanes(url)["cold"]) == 1, timeout_s=120), lanes(url)["cold"]
     print(f"cold lane: 1 -> 2 replicas {scaled_out_s:.1f} s after the backlog; "

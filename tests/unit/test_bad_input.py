@@ -510,3 +510,19 @@ def test_thousands_of_hostile_bodies_are_never_answered_5xx(http):
         if response.status_code >= 500:
             server_errors.append((response.status_code, path, raw[:300], response.text[:300]))
     assert not server_errors, f"{len(server_errors)} answers 5xx, e.g. {server_errors[:5]}"
+
+
+@pytest.mark.parametrize("body", [completion(prompt=[""]), completion(prompt=[[]]), completion(prompt=["", "hi"]),
+                                  completion(prompt=""), chat(messages=[])])
+async def test_a_request_that_can_never_succeed_is_400_even_when_admission_refuses_everything(body):
+    """Admission refusing every interactive request (a queue bound of 0: a full Router): a request with nothing to
+    prompt with is still 400, not the 429 a client would retry forever; a valid one is 429."""
+    pipeline, lanes, _ = make_pipeline(admission={"interactive_queue_bound": 0})
+    endpoint = COMPLETION if "prompt" in body else CHAT
+    with pytest.raises(api.OpenAIError) as refused:
+        await pipeline.answer(endpoint, body)
+    assert refused.value.status == 400, refused.value.body()
+    with pytest.raises(api.OpenAIError) as full:
+        await pipeline.answer(COMPLETION, completion(max_tokens=2))
+    assert full.value.status == 429 and full.value.code == "queue_full"
+    assert not lanes["hot"].requests and not lanes["cold"].requests

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from app.config import ConfigError, load_app_config
-from app.lanes.types import LaneChunk, LaneRequest
+from app.lanes.types import LaneChunk, LaneReplicaLost, LaneRequest
 from app.router.breaker import BreakerState
 from app.classes import Lane, RequestClass, policy_for
 from app.router.endpoints import COMPLETION
@@ -89,6 +89,13 @@ class TokenLane(FakeLane):
         return FakeStream(chunks)
 
 
+def make_router_with(lanes: dict[str, FakeLane], tmp_path=None):
+    import tempfile
+    from pathlib import Path
+
+    return make_router(Path(tmp_path or tempfile.mkdtemp()), lanes=lanes)
+
+
 def handoff_router(tmp_path, tokens: int = 1, hot_eos_after: int | None = None):
     lanes = {"hot": TokenLane("hot", 100, eos_after=hot_eos_after), "cold": TokenLane("cold", 500)}
     return make_router(tmp_path, lanes=lanes, admission={"interactive_decode_handoff_tokens": tokens})
@@ -122,7 +129,8 @@ async def test_a_streamed_answer_continues_on_the_cold_lane_after_its_first_toke
     # The cold lane goes on from the prompt plus the token the client already has, for the tokens still owed.
     assert cold.prompt_token_ids == [*lane_request.prompt_token_ids, 100]
     assert cold.sampling.max_tokens == 4 and cold.priority == COLD_LANE_INTERACTIVE_PRIORITY
-    assert cold.request_id == f"{lane_request.request_id}-decode" and not cold.return_token_ids
+    # Its token ids still come back: were the cold replica lost mid-answer, the stream would resume from them.
+    assert cold.request_id == f"{lane_request.request_id}-decode" and cold.return_token_ids
 
     choices = [e["choices"][0] for e in events if e.get("choices")]
     assert "".join(c["text"] for c in choices) == "t100.t500.t501.t502.t503."
@@ -163,7 +171,9 @@ async def test_requests_outside_the_rule_run_whole_on_their_lane(tmp_path, field
     await streamed_events(router, generation)
     assert not router.lanes["cold"].requests
     request, = router.lanes["hot"].requests
-    assert request.sampling.max_tokens == fields.get("max_tokens", 5) and not request.return_token_ids
+    assert request.sampling.max_tokens == fields.get("max_tokens", 5)
+    # A stream a continuation carries exactly asks for its token ids (to resume it after a replica loss).
+    assert request.return_token_ids is ("stop" not in fields)
     assert REASON_DECODE_ON_COLD not in generation.headers().get("x-llm-lanes-degraded", "")
 
 
@@ -210,3 +220,74 @@ async def test_a_request_the_continuation_cannot_answer_skips_the_handoff_and_sa
     request, = router.lanes["hot"].requests
     assert request.sampling.max_tokens == 5 and not request.return_token_ids
     assert answer.headers()["x-llm-lanes-degraded"] == "handoff_skipped"
+
+
+# ---- a stream resumed after its replica is lost ---------------------------------------------------------------------
+
+class LosingLane(TokenLane):
+    """A TokenLane whose first `losses` streams lose their replica after `after` chunks (LaneReplicaLost)."""
+
+    def __init__(self, name: str, first_token: int, after: int, losses: int = 1):
+        super().__init__(name, first_token)
+        self.after, self.losses = after, losses
+
+    def remote(self, request: LaneRequest) -> FakeStream:
+        stream = super().remote(request)
+        if self.losses > 0:
+            self.losses -= 1
+            chunks = list(stream._chunks)[:self.after]
+
+            async def lost():
+                for chunk in chunks:
+                    yield chunk
+                raise LaneReplicaLost("the lane replica is gone: ActorDiedError")
+
+            return LostStream(lost())
+        return stream
+
+
+class LostStream:
+    def __init__(self, generator):
+        self._generator = generator
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._generator.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+async def test_a_stream_whose_hot_replica_is_lost_mid_answer_resumes_on_the_cold_lane_without_an_error():
+    router = make_router_with({"hot": LosingLane("hot", 100, after=2), "cold": TokenLane("cold", 500)})
+    lane_request, generation = await start(router, stream=True)
+    events = await streamed_events(router, generation)
+    assert not any("error" in event for event in events), events
+    texts = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    # Two tokens from the lost replica, the rest from the cold lane, which went on from the prompt and those two.
+    assert texts == "t100.t101.t500.t501.t502."
+    assert events[-1]["usage"]["completion_tokens"] == 5
+    cold, = router.lanes["cold"].requests
+    assert cold.prompt_token_ids == [*lane_request.prompt_token_ids, 100, 101]
+    assert cold.sampling.max_tokens == 3 and cold.priority == COLD_LANE_INTERACTIVE_PRIORITY
+    # The loss counts against the hot lane's breaker; the answer itself succeeded.
+    assert len(router.control.breakers[Lane.HOT]._failure_times) == 1
+
+
+async def test_a_stream_the_continuation_cannot_carry_still_ends_with_the_error_event():
+    router = make_router_with({"hot": LosingLane("hot", 100, after=2), "cold": TokenLane("cold", 500)})
+    _, generation = await start(router, stream=True, seed=7)  # a seed's sampling state does not carry over
+    events = [e async for e in generation.events]
+    assert '"lane_unavailable"' in events[-1] and not router.lanes["cold"].requests
+
+
+async def test_a_stream_resumes_at_most_twice():
+    router = make_router_with({"hot": LosingLane("hot", 100, after=1), "cold": LosingLane("cold", 500, after=1,
+                                                                                        losses=5)})
+    _, generation = await start(router, stream=True)
+    events = [e async for e in generation.events]
+    assert '"lane_unavailable"' in events[-1]
+    assert len(router.lanes["cold"].requests) == 2

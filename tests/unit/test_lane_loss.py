@@ -77,13 +77,16 @@ async def test_losses_that_open_the_breaker_move_interactive_work_to_the_other_l
     assert len(lanes["hot"].requests) == 2
 
 
-async def test_a_started_stream_whose_replica_is_lost_ends_with_an_openai_error_event():
+async def test_a_started_stream_a_continuation_cannot_carry_ends_with_an_openai_error_event_when_its_replica_is_lost():
+    # With a seed, a new engine request would not sample as the lost one would have (a stream that a continuation
+    # carries resumes instead: tests/unit/test_handoff.py).
     lanes = {"hot": LosingLane("hot", losses=1, chunks_before=1), "cold": FakeLane("cold")}
     pipeline, _, _ = make_pipeline(lanes)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
+            "seed": 7}
     answer = await pipeline.answer(CHAT, body)
     events = [event async for event in answer.events]
-    assert len(lanes["hot"].requests) == 1  # started: never run twice
+    assert len(lanes["hot"].requests) == 1 and not lanes["cold"].requests  # started: never run twice
     assert '"error"' in events[-1] and "lane_unavailable" in events[-1] and "[DONE]" not in events[-1]
     assert any('"ab"' in event for event in events[:-1])  # what the client had before the loss
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from load_tests.chaos import (RequestRecord, batch_exactness, build_report, engine_processes, errors_by_class,
-                              proxy_pids,
-                              first_success_s, render_markdown, served_through)
+                              first_success_s, interactive_while_down, proxy_pids, render_markdown, served_through)
 from load_tests.soak import build_report as soak_report
 from load_tests.soak import growth, leaked_requests, read_process, rss_slope_mib_per_h
 from load_tests.soak import render_markdown as soak_markdown
@@ -126,3 +125,21 @@ def test_rss_trend_is_the_slope_over_the_second_half_of_one_process():
     # A restarted process (another pid at the end) has no trend from the old one's samples.
     assert rss_slope_mib_per_h(samples[:-1] + [at(1.0, 50, pid=2)], "Router") is None
     assert rss_slope_mib_per_h(samples, "proxy") is None
+
+
+def test_interactive_requests_while_a_lane_is_replaced_are_counted_with_their_ttft_and_lane():
+    def degraded(start: float, e2e: float, ttft: float, **kw) -> RequestRecord:
+        r = record("interactive", start, e2e, lane="cold", **kw)
+        r.ttft_s, r.headers["x-llm-lanes-degraded"] = ttft, "hot_lane_down"
+        return r
+
+    under_way = record("interactive", 9.0, 2.0)  # resumed: ended fine after the kill at 10
+    records = [under_way, degraded(10.5, 1.0, 0.2), degraded(12.0, 1.0, 0.4),
+               record("interactive", 13.0, 5.0, status=503, error="http: hot_lane_down", lane=""),
+               record("interactive", 40.0, 1.0),  # after the replacement ran (30 s after the kill)
+               record("batch", 11.0, 1.0, lane="cold")]
+    down = interactive_while_down(records, 10.0, 30.0)
+    assert down["sent"] == 3 and down["answered"] == 2 and down["answered_share"] == 0.6667
+    assert down["ttft_ms"]["count"] == 2 and down["served_on"] == {"cold (hot_lane_down)": 2}
+    assert down["under_way_at_kill"] == 1 and down["under_way_finished"] == 1
+    assert interactive_while_down(records, 10.0, None)["sent"] == 4  # never replaced: to the end

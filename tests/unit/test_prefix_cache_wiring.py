@@ -10,7 +10,7 @@ import pytest
 from app.config import load_app_config
 from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneChunk
-from app.main import lane_deployment_options, prefix_affinity_router_config
+from app.main import lane_deployment_options, lane_request_router_config
 from app.prefix_cache.index import PrefixIndex, block_hashes
 from app.prefix_cache.replica_feed import ReplicaPrefixFeed
 from app.prefix_cache.shared_state import SharedPrefixState
@@ -193,9 +193,11 @@ async def test_a_lane_of_one_replica_keeps_no_index_but_counts_popularity_and_wa
         seen: list = []
         await feed.warm_up(recording_generate(seen))
         assert [r.prompt_token_ids for r in seen] == [prompt(8, 1024)]
-        assert prefix_affinity_router_config(cfg, cfg.hot_lane) is None
-        assert "request_router_config" not in lane_deployment_options(cfg.hot_lane, cfg)
-        assert lane_deployment_options(cfg.cold_lane, cfg)["request_router_config"] is not None
+        assert lane_request_router_config(cfg, cfg.hot_lane)["request_router_class"].endswith(":LaneRouter")
+        hot_router = lane_deployment_options(cfg.hot_lane, cfg)["request_router_config"]
+        assert hot_router.request_router_class.endswith(":LaneRouter")
+        cold_router = lane_deployment_options(cfg.cold_lane, cfg)["request_router_config"]
+        assert cold_router.request_router_class.endswith(":PrefixAffinityRouter")
 
 
 def test_an_autoscaled_lane_keeps_the_index_when_it_may_grow_past_one_replica():
@@ -223,8 +225,11 @@ def test_lanes_use_the_affinity_router_by_default_and_serves_pow2_when_asked():
     assert router.request_router_kwargs["block_size"] == cfg.cold_lane.engine.block_size
     assert router.request_routing_stats_period_s == 1.0
     pow2 = load_app_config(indexed_args(**{"prefix_cache.routing": "pow2"}))
-    assert prefix_affinity_router_config(pow2, pow2.hot_lane) is None
-    assert "request_router_config" not in lane_deployment_options(pow2.hot_lane, pow2)
+    # Serve's power-of-two choices, in the class that reports the lane's replicas to the Router.
+    assert lane_request_router_config(pow2, pow2.hot_lane) == {
+        "request_router_class": "app.prefix_cache.request_router:LaneRouter"}
+    assert lane_deployment_options(pow2.hot_lane, pow2)["request_router_config"].request_router_class.endswith(
+        ":LaneRouter")
 
 
 def test_kv_events_feed_needs_the_engine_prefix_cache():

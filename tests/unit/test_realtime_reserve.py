@@ -4,7 +4,7 @@ it to Serve's candidates (fake replicas, no Ray cluster)."""
 import pytest
 
 from app.config import ConfigError, load_app_config
-from app.main import prefix_affinity_router_config
+from app.main import lane_request_router_config
 from app.prefix_cache.realtime_reserve import reserved_replica_ids, split_by_reserve
 from tests.unit.test_config import cpu_args
 from tests.unit.test_prefix_policy import FakeReplica, LaneRequest, make_router, pending
@@ -80,8 +80,8 @@ def reserve_args(reserved: int, hot_replicas: int, routing: str = "affinity") ->
 
 def test_the_reserve_reaches_the_hot_lanes_router_only():
     cfg = load_app_config(reserve_args(1, 2))
-    assert prefix_affinity_router_config(cfg, cfg.hot_lane)["request_router_kwargs"]["realtime_reserved_replicas"] == 1
-    assert prefix_affinity_router_config(cfg, cfg.cold_lane)["request_router_kwargs"]["realtime_reserved_replicas"] == 0
+    assert lane_request_router_config(cfg, cfg.hot_lane)["request_router_kwargs"]["realtime_reserved_replicas"] == 1
+    assert lane_request_router_config(cfg, cfg.cold_lane)["request_router_kwargs"]["realtime_reserved_replicas"] == 0
 
 
 def test_a_reserve_that_leaves_no_replica_for_interactive_is_refused():

@@ -212,3 +212,42 @@ def test_a_request_whose_hot_wait_ran_out_spills_or_is_refused():
     assert spilled.lane is COLD and spilled.reasons == ("hot_saturated",)
     refused = route(IA, hot_slots=free, hot_wait_expired=True, interactive_ttft_target_s=1.0, cold_spill_room=False)
     assert isinstance(refused, RouteRefusal) and refused.status == 429 and refused.retry_after_s == 1
+
+
+def test_a_hot_lane_without_replicas_sends_interactive_to_the_cold_lane_without_waiting_for_a_slot():
+    decision = route(IA, hot_slots=FULL, cold_spill_room=False, interactive_ttft_target_s=1.0,
+                     lanes_down=frozenset({HOT}))
+    assert decision.lane is COLD and decision.reasons == ("hot_lane_down",)
+    assert decision.priority == COLD_LANE_INTERACTIVE_PRIORITY
+    assert not decision.takes_hot_slot and not decision.wait_for_hot_slot
+    # Over the spill room: its slots count the cold lane's starts, which a realtime request's move is judged by.
+    assert decision.takes_cold_spill
+
+
+def test_realtime_moves_off_a_hot_lane_without_replicas_only_while_the_cold_lane_starts_in_time():
+    moved = route(RT, lanes_down=frozenset({HOT}), realtime_ttft_target_s=0.5, cold_start_s=0.2)
+    assert moved.lane is COLD and moved.priority == CLASS_POLICIES[RT].priority
+    assert moved.reasons == ("hot_lane_down",)
+    refused = route(RT, lanes_down=frozenset({HOT}), realtime_ttft_target_s=0.5, cold_start_s=0.8)
+    assert isinstance(refused, RouteRefusal) and refused.status == 503 and refused.code == "hot_lane_down"
+    assert refused.retry_after_s == 1
+    # An open breaker is not a lost lane: realtime still fails fast there (rule 6b).
+    breaker = route(RT, open_breakers={HOT: 3.0}, realtime_ttft_target_s=0.5, cold_start_s=0.0)
+    assert isinstance(breaker, RouteRefusal) and breaker.code == "hot_breaker_open"
+
+
+def test_batch_waits_for_a_cold_lane_without_replicas_and_interactive_stays_hot():
+    batch = route(BA, lanes_down=frozenset({COLD}))
+    assert batch.lane is COLD and batch.wait_for_lane_s == 1.0 and batch.reasons == ("cold_lane_down",)
+    interactive = route(IA, hot_slots=FULL, interactive_ttft_target_s=1.0, lanes_down=frozenset({COLD}))
+    assert isinstance(interactive, RouteRefusal) and interactive.status == 429  # no spill to a lane without replicas
+    continuation = route(IA, continuation=True, lanes_down=frozenset({COLD}))
+    assert continuation.lane is HOT
+
+
+def test_both_lanes_without_replicas_refuse_503_except_batch_which_waits():
+    both = frozenset({HOT, COLD})
+    for cls in (RT, IA):
+        refused = route(cls, lanes_down=both, realtime_ttft_target_s=0.5)
+        assert isinstance(refused, RouteRefusal) and refused.status == 503 and refused.code == "hot_lane_down"
+    assert route(BA, lanes_down=both).wait_for_lane_s == 1.0
