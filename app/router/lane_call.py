@@ -258,9 +258,9 @@ class LaneCall:
             raise self._as_openai_error(error) from None
 
     async def _first_chunk(self) -> LaneChunk:
-        """The lane's first chunk, or LaneReplicaLost once its lane has no replica left: a call that reached Serve's
-        handle before the Router knew the lane was down would wait there for the replacement (tens of seconds
-        while an engine loads) instead of being decided again (spill.py, rule 6)."""
+        """The lane's first chunk, or LaneReplicaLost once its lane has no replica left and the other lane would
+        serve it: a call that reached Serve's handle before the Router knew the lane was down would wait there for
+        the replacement (tens of seconds while an engine loads) instead of being decided again (spill.py, rule 6)."""
         async with asyncio.timeout(self._remaining()):
             pending = asyncio.ensure_future(anext(self.stream))
             try:
@@ -268,11 +268,18 @@ class LaneCall:
                     done, _ = await asyncio.wait((pending,), timeout=LANE_DOWN_CHECK_S)
                     if done:
                         return pending.result()
-                    if self.lane in self.control.lanes_down():
+                    if self._served_elsewhere(self.control.lanes_down()):
                         raise LaneReplicaLost(f"the {self.lane.value} lane has no replica left")
             finally:
                 if not pending.done():
                     pending.cancel()
+
+    def _served_elsewhere(self, lanes_down: frozenset[Lane]) -> bool:
+        """Its lane has no replica and the other lane has, and would take this class there (spill.py, rule 6):
+        batch work waits for its own lane, and where neither lane has a replica the handle is where to wait."""
+        other = Lane.COLD if self.lane is Lane.HOT else Lane.HOT
+        return (self.lane in lanes_down and other not in lanes_down and other in self.control.lane_caps
+                and self.request_class is not RequestClass.BATCH)
 
     # ---- stream ----------------------------------------------------------------------------------------------------
 

@@ -37,7 +37,9 @@ The rule, in order:
       loading) costs batch work time, not a 503. It does not move to the hot lane: flex requests and batch lines
       (up to the dispatchers' windows) would take the hot slots that interactive requests wait for, for as long as
       the cold lane is down;
-   b. realtime and interactive: 503 with the breaker's Retry-After (waiting would spend their latency target).
+   b. realtime and interactive: 503 with the breaker's Retry-After (waiting would spend their latency target);
+      interactive whose lanes both have no replica (a rolling update of one-replica lanes, a lost node) stays on
+      its lane and waits in Serve's handle for the first replica to run.
 7. max_tokens above the chosen lane's cap is clipped, not refused.
 8. Decode handoff: an interactive request that starts on the hot lane hands its decode to the cold lane after
    `decode_handoff_tokens` tokens where app/router/handoff.py says it may.
@@ -268,16 +270,21 @@ def decide_route(inputs: RouteInputs) -> RouteDecision | RouteRefusal:
         )
         reason = reason_lane_down(lane) if lane_down else reason_breaker_open(lane)
         wait_s = LANE_DOWN_RETRY_S if lane_down else inputs.open_breakers[lane]
-        if not can_move and cls is RequestClass.BATCH and lane is Lane.COLD:
+        if can_move:
+            reasons.append(reason)
+            lane = other
+        elif cls is RequestClass.BATCH and lane is Lane.COLD:
             return RouteDecision(lane=lane, priority=policy_for(cls).priority, max_tokens=inputs.max_tokens,
                                  reasons=(*reasons, reason), wait_for_lane_s=max(wait_s, LANE_WAIT_MIN_S))
-        if not can_move:
+        elif lane_down and cls is RequestClass.INTERACTIVE:
+            # Neither lane can take it now (a rolling update of one-replica lanes, a lost node): it waits in Serve's
+            # handle for its lane's first replica, as every request did before a lane was known to have none.
+            reasons.append(reason)
+        else:
             what = ("has no running replica (lost or starting)" if lane_down
                     else "is failing and has been taken out of service for a moment")
             return RouteRefusal(503, reason, f"the {lane.value} lane {what}; retry later",
                                 retry_after_s=max(1, math.ceil(wait_s)))
-        reasons.append(reason)
-        lane = other
         wait_for_hot_slot = False
 
     max_tokens = inputs.lane_caps[lane].clipped_max_tokens(inputs.max_tokens)

@@ -93,14 +93,17 @@ async def test_with_no_hot_replica_interactive_runs_on_the_cold_lane_and_goes_ba
     assert len(lanes["hot"].requests) == 1
 
 
-async def test_with_neither_lane_routable_interactive_is_503_with_retry_after():
+async def test_with_neither_lane_routable_realtime_is_503_and_interactive_is_left_to_wait_for_its_lane():
     pipeline, lanes, _ = make_pipeline()
     pipeline.control.routable_replicas = lambda lane: 0
     with pytest.raises(api.OpenAIError) as refused:
-        await answer(pipeline)
+        await answer(pipeline, "priority")
     assert refused.value.status == 503 and refused.value.code == "hot_lane_down"
     assert refused.value.headers["Retry-After"] == "1"
     assert not lanes["hot"].requests and not lanes["cold"].requests
+    # Interactive goes to its lane's handle, which holds it until a replica runs (here the fake lane answers).
+    waited = await answer(pipeline)
+    assert waited.headers()["x-llm-lanes-lane"] == "hot" and len(lanes["hot"].requests) == 1
 
 
 async def test_a_call_waiting_for_its_first_chunk_is_decided_again_when_its_lane_loses_its_last_replica():
@@ -120,3 +123,23 @@ async def test_a_call_waiting_for_its_first_chunk_is_decided_again_when_its_lane
     served = await asyncio.wait_for(waiting, timeout=5)
     assert served.headers()["x-llm-lanes-lane"] == "cold"
     assert "hot_lane_down" in served.headers()["x-llm-lanes-degraded"]
+
+
+async def test_a_call_is_left_in_its_lanes_handle_when_the_other_lane_cannot_take_it_either():
+    """Both lanes without replicas (a rolling update of one-replica lanes), or batch work on a cold lane without
+    replicas: nothing to move to, so the call keeps its place in the handle instead of being started again."""
+    import asyncio
+
+    from tests.fakes import FakeLane
+
+    pipeline, lanes, _ = make_pipeline({"hot": FakeLane("hot", delay_s=1.0), "cold": FakeLane("cold", delay_s=1.0)})
+    routable = {Lane.HOT: 1, Lane.COLD: 1}
+    pipeline.control.routable_replicas = routable.get
+    interactive = asyncio.create_task(answer(pipeline))
+    flex = asyncio.create_task(answer(pipeline, "flex"))
+    await asyncio.sleep(0.2)
+    routable[Lane.HOT] = routable[Lane.COLD] = 0
+    served = await asyncio.wait_for(interactive, timeout=10)
+    assert served.headers()["x-llm-lanes-lane"] == "hot" and len(lanes["hot"].requests) == 1
+    flexed = await asyncio.wait_for(flex, timeout=10)
+    assert flexed.headers()["x-llm-lanes-lane"] == "cold" and len(lanes["cold"].requests) == 1
