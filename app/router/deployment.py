@@ -170,8 +170,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         # Running replicas per lane, read from the Serve controller every few seconds; None until the first read.
         self.lane_replicas: dict[str, int | None] = {lane.value: None for lane in handles}
         # Lanes whose handle has no replica to send a request to are routed around (spill.py, rule 6).
-        self.control = TrafficControl(
-            cfg, routable_replicas=lambda lane: routable_replicas(LANE_DEPLOYMENTS[lane.value]))
+        self.control = TrafficControl(cfg, routable_replicas=self._routable_replicas)
         if len(self.keyring.tenants) > 1:
             # Tenants share each class's queue: one tenant's flood leaves room for the others' requests.
             self.control.back_pressure.share_between_tenants(cfg.admission.tenant_queue_share)
@@ -194,6 +193,12 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
         self._rate_limit_task = asyncio.create_task(self._return_idle_allowances_forever())
         freeze_startup_heap()
+
+    def _routable_replicas(self, lane: Lane) -> int | None:
+        """The lane's replicas this Router's handle can send a call to; before its handle has made any call, the
+        RUNNING replicas the controller last listed (None before the first read)."""
+        count = routable_replicas(LANE_DEPLOYMENTS[lane.value])
+        return count if count is not None else self.lane_replicas.get(lane.value)
 
     async def _return_idle_allowances_forever(self) -> None:
         """Rate-limit allowances this Router holds but does not use go back to the shared buckets."""

@@ -269,16 +269,22 @@ class LaneCall:
                     if done:
                         return pending.result()
                     if self._served_elsewhere(self.control.lanes_down()):
+                        # Not the lane's failure to count (its breaker): the call leaves a lane without replicas.
+                        self._end_lane_call(ok=None)
                         raise LaneReplicaLost(f"the {self.lane.value} lane has no replica left")
             finally:
                 if not pending.done():
                     pending.cancel()
+                elif not pending.cancelled():
+                    pending.exception()  # retrieved: a left call's error is not logged as "never retrieved"
 
     def _served_elsewhere(self, lanes_down: frozenset[Lane]) -> bool:
-        """Its lane has no replica and the other lane has, and would take this class there (spill.py, rule 6):
-        batch work waits for its own lane, and where neither lane has a replica the handle is where to wait."""
+        """Its lane has no replica and the other lane is known to have one, and would take this class there
+        (spill.py, rule 6): batch work waits for its own lane, and where the other lane has none (or none known yet:
+        an app starting) the handle is where to wait."""
         other = Lane.COLD if self.lane is Lane.HOT else Lane.HOT
-        return (self.lane in lanes_down and other not in lanes_down and other in self.control.lane_caps
+        return (self.lane in lanes_down and other in self.control.lane_caps
+                and (self.control.routable_replicas(other) or 0) > 0
                 and self.request_class is not RequestClass.BATCH)
 
     # ---- stream ----------------------------------------------------------------------------------------------------
