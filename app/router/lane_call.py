@@ -123,6 +123,10 @@ class LaneCall:
         self._prompt_ids = context.lane_request.prompt_token_ids
         self._call_ids: list[int] = []
         self._resumed = 0
+        # A streamed answer holding a hot slot is read from its lane ahead of the client (`_read_ahead`): the slot is
+        # the engine's, and the engine is done at the lane's last chunk, however slowly the client reads.
+        self._ahead: asyncio.Queue | None = None
+        self._ahead_task: asyncio.Task | None = None
 
     @property
     def request_class(self) -> RequestClass:
@@ -143,7 +147,43 @@ class LaneCall:
         """The lane's next chunk, or TimeoutError at the deadline. A timeout scope, not asyncio.wait_for: wait_for
         (Python 3.11) wraps every chunk's await in a task of its own, one more trip through the event loop each."""
         async with asyncio.timeout(self._remaining()):  # relative: the loop's clock need not be time.monotonic
-            return await anext(self.stream)
+            if self._ahead is None:
+                return await anext(self.stream)
+            chunk, error = await self._ahead.get()
+        if error is not None or chunk.finish_reason is not None:
+            # The lane call read ahead is over: a continuation or resumption that follows is read directly.
+            self._ahead = None
+        if error is not None:
+            raise error
+        return chunk
+
+    def _start_read_ahead(self) -> None:
+        """Read the rest of the current lane call into a queue, freeing the hot slot at its last chunk (the engine's
+        sequence is done then), while the client is still being written the answer: under load the Router and the
+        proxy write slower than the engine generates, and a slot held until the client's last byte leaves the engine
+        idle while interactive requests wait for a slot."""
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = self.stream
+
+        async def read_ahead() -> None:
+            try:
+                while True:
+                    chunk = await anext(stream)
+                    queue.put_nowait((chunk, None))
+                    if chunk.finish_reason is not None:
+                        self._release_slot(record_hold=True)
+                        return
+            except BaseException as error:  # delivered to the reader, in order, as the direct read would raise it
+                queue.put_nowait((None, error))
+
+        self._ahead = queue
+        self._ahead_task = asyncio.ensure_future(read_ahead())
+
+    def _stop_read_ahead(self) -> None:
+        if self._ahead_task is not None and not self._ahead_task.done():
+            self._ahead_task.cancel()
+        self._ahead_task = None
+        self._ahead = None
 
     # ---- start -----------------------------------------------------------------------------------------------------
 
@@ -170,6 +210,11 @@ class LaneCall:
         if self._slot is not None:
             self._slot[0].first_token(self._slot[1])
         self._lane_finished_with(self._first)
+        if self._handoff_due:
+            # The hot part of a decode handoff ended at its first chunk: its engine sequence is done.
+            self._release_slot(record_hold=True)
+        if self._slot is not None and self._slot[0] is self.control.hot_slots:
+            self._start_read_ahead()
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
     async def _start_surviving_losses(self, decision: RouteDecision) -> LaneChunk:
@@ -318,6 +363,7 @@ class LaneCall:
             record.succeeded(self._output_tokens())
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
+            self._stop_read_ahead()
             self.stream.cancel()
             self.context.charge.settle(self._output_tokens())
             # Abandoned mid-stream by the client: no outcome for the lane, and no E2E sample for the deadline P99.

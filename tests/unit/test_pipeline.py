@@ -234,6 +234,38 @@ async def test_the_slot_is_free_when_the_lane_has_sent_its_last_chunk_not_when_t
     await chunks.aclose()
 
 
+async def test_the_slot_is_free_when_the_engine_is_done_while_the_client_still_reads_earlier_chunks():
+    h = Harness()
+    call = await h.pipeline.start(COMPLETION, generation(stream=True))
+    chunks = call.chunks()
+    assert (await anext(chunks)).text == "a"
+    for _ in range(3):
+        await h.start()
+    assert h.slots.in_flight == h.slots.limit == 4
+    waiter = asyncio.create_task(h.start())  # every slot is taken: this request waits for one
+    await h.settle()
+    assert h.slots.waiting == 1
+    h.lanes["hot"].finish_one()  # the first answer's engine is done; its client has not asked for more yet
+    await asyncio.wait_for(waiter, timeout=5)
+    assert h.slots.waiting == 0 and h.slots.in_flight == 4  # the waiter holds the slot the first answer left
+    # The first client still gets its whole answer, in order, from the chunks read ahead of it.
+    rest = [chunk async for chunk in chunks]
+    assert rest[-1].finish_reason == "length" and "".join(c.text for c in rest)
+    await h.finish_all()
+    assert h.slots.in_flight == 0
+
+
+async def test_a_client_that_leaves_mid_answer_stops_the_read_ahead_and_the_lane_call():
+    h = Harness()
+    call = await h.pipeline.start(COMPLETION, generation(stream=True))
+    chunks = call.chunks()
+    await anext(chunks)
+    stream = h.lanes["hot"].running[0]
+    await chunks.aclose()  # the client is gone before the engine is done
+    await h.settle()
+    assert stream.cancelled and h.slots.in_flight == 0 and call._ahead_task is None
+
+
 async def test_the_router_keeps_its_recent_ttft_per_class_and_lane():
     h = Harness()
     for _ in range(3):
