@@ -42,6 +42,16 @@ class BackPressure:
                     tenant: str = DEFAULT_TENANT) -> AdmissionResult:
         """Admit into the class's queue, or refuse with `retry_after_s()` (worked out only then) when the queue is
         at its bound, or the tenant at its share of it."""
+        refusal = self.refusal(request_class, retry_after_s, tenant)
+        if refusal is not None:
+            return refusal
+        self._queued[request_class] += 1
+        self._by_tenant[request_class, tenant] += 1
+        return AdmissionResult(Decision.ADMIT, "batch_waits" if request_class is RequestClass.BATCH else "queued")
+
+    def refusal(self, request_class: RequestClass, retry_after_s: Callable[[], int],
+                tenant: str = DEFAULT_TENANT) -> AdmissionResult | None:
+        """What try_enqueue() would refuse now (nothing is taken), or None."""
         queued = self._queued[request_class]
         bound = None if request_class is RequestClass.BATCH else self.bounds.get(request_class)
         if bound is not None and queued >= bound:
@@ -51,9 +61,7 @@ class BackPressure:
             if own >= cap:
                 return AdmissionResult(Decision.REJECT, f"queue_full (tenant's share {own} >= {cap})",
                                        retry_after_s())
-        self._queued[request_class] += 1
-        self._by_tenant[request_class, tenant] += 1
-        return AdmissionResult(Decision.ADMIT, "batch_waits" if request_class is RequestClass.BATCH else "queued")
+        return None
 
     def dequeue(self, request_class: RequestClass, tenant: str = DEFAULT_TENANT) -> None:
         if self._queued[request_class] <= 0:

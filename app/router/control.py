@@ -105,6 +105,30 @@ class TrafficControl:
         return self.back_pressure.try_enqueue(request_class, lambda: self._queue_retry_after_s(request_class),
                                               tenant)
 
+    def refusal_before_render(self, request_class: RequestClass, prompt_tokens_bound: int | None, max_tokens: int,
+                              tenant: str = DEFAULT_TENANT) -> AdmissionResult | RouteRefusal | None:
+        """The 429 that admit() or route() would give this request whatever its exact prompt, decided before its
+        prompt is rendered and tokenized, so that a refusal under load costs almost nothing; nothing is taken.
+        `prompt_tokens_bound`: at most how many tokens the prompt has (None: unknown before rendering). None: render
+        it and decide as usual. Only a certain refusal is given here, and only to a request that cannot be a 400
+        once rendered: a prompt that may be empty or too long for the lanes, or long enough to be routed by its
+        length, is rendered first."""
+        if (not self.enabled or prompt_tokens_bound is None
+                or prompt_tokens_bound + max_tokens > self.cfg.model.max_model_len):
+            return None
+        queue_full = self.back_pressure.refusal(request_class, lambda: self._queue_retry_after_s(request_class),
+                                                tenant)
+        if queue_full is not None:
+            return queue_full
+        if (request_class is not RequestClass.INTERACTIVE or self.hot_slots is None
+                or prompt_tokens_bound >= self.cfg.admission.long_context_threshold):
+            return None
+        hot_slots = self._hot_slot_state(tenant)
+        if hot_slots is None or hot_slots.free > 0:
+            return None  # the common case, decided without the rest
+        decision = self.route(request_class, prompt_tokens_bound, max_tokens, tenant=tenant)
+        return decision if isinstance(decision, RouteRefusal) and decision.status == 429 else None
+
     def _queue_retry_after_s(self, request_class: RequestClass) -> int:
         if request_class is RequestClass.INTERACTIVE and self.hot_slots is not None:
             return self._interactive_retry_after_s(self.hot_slots.predicted_wait_s())

@@ -7,6 +7,7 @@ vLLM's (app/router/openai_surface.py)."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import typing
 from collections.abc import Callable, Iterable, Iterator
@@ -355,3 +356,55 @@ def refuse_unrecognized_fields(request: BaseModel, body: dict[str, Any], *, chat
     unrecognized = unrecognized_arguments(unknown, n=getattr(request, "n", None) or 1)
     if unrecognized is not None:
         raise unrecognized
+
+
+# What a chat template adds to the messages' text at most (role markers, a default system prompt, the generation
+# prompt), and a completion prompt at most (BOS and the like), in tokens: bounds, not estimates.
+CHAT_TEMPLATE_TOKENS_BOUND = 512
+COMPLETION_EXTRA_TOKENS_BOUND = 8
+_TEXT_PART_TYPES = frozenset({"text", "input_text"})
+
+
+def prompt_tokens_bound(body: dict[str, Any], *, chat: bool) -> int | None:
+    """At most how many tokens the body's prompt renders to, from the body alone (a BPE token covers at least one byte
+    of UTF-8 text), or None where the body alone cannot say: content other than text (an image's tokens are not its
+    URL's bytes), a chat template of the client's own, prompt embeddings, and an empty prompt (vLLM's code refuses
+    it once rendered: the answer is its 400). For a completion of several prompts: the longest one's (each runs as a
+    request of its own)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or body.get("chat_template") is not None:
+            return None
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES
+                                                 for part in content):
+                return None
+        # The messages' and tools' JSON holds every text the template renders, and more (keys, quotes, escapes).
+        rendered = [messages, body.get("tools"), body.get("documents"), body.get("chat_template_kwargs")]
+        return len(json.dumps(rendered, ensure_ascii=False).encode()) + CHAT_TEMPLATE_TOKENS_BOUND
+    if body.get("prompt_embeds") is not None:
+        return None
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    longest = 0
+    for one in prompts:
+        if not one:
+            return None
+        if isinstance(one, str):
+            longest = max(longest, len(one.encode()))
+        elif isinstance(one, list):
+            longest = max(longest, len(one))
+        else:
+            return None
+    suffix = body.get("suffix")
+    return longest + (len(suffix.encode()) if isinstance(suffix, str) else 0) + COMPLETION_EXTRA_TOKENS_BOUND
+
+
+def requested_max_tokens(body: dict[str, Any], default: int) -> int:
+    """The answer's length the body asks for (max_completion_tokens, then max_tokens), or `default`."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default

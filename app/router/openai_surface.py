@@ -375,6 +375,16 @@ class OpenAISurface:
                                        f"{chars // self.max_token_chars}: shorten it",
                                   param=endpoint.prompt_param, code="context_length_exceeded")
 
+    def check_sampling(self, endpoint: Endpoint, request, max_tokens: int) -> None:
+        """Refuse (400, as vLLM's server does) what vLLM's serving code refuses of the request's sampling parameters,
+        without rendering its prompt: for a request the load refuses before rendering (a 429), which must not be what
+        the client's own mistake would be answered with."""
+        serving = self.chat if endpoint.chat else self.completion
+        try:
+            request.to_sampling_params(max_tokens, serving.default_sampling_params)
+        except Exception as error:
+            raise _error_from_exception(error) from None
+
     # ---- answer ----------------------------------------------------------------------------------------------------
 
     async def answer(self, endpoint: Endpoint, request, launch: Launch) -> Answer:

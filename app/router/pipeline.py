@@ -20,6 +20,7 @@ from typing import Any
 
 from app.classes import RequestClass, UnknownRequestClass, classify, policy_for
 from app.config import AppConfig
+from app.lanes.admission import AdmissionResult
 from app.lanes.types import LaneRequest, SamplingOptions
 from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tracing
 from app.router import openai_api as api
@@ -112,12 +113,13 @@ class RequestPipeline:
         service_tier = body.get("service_tier") if isinstance(body, dict) else None
         try:
             # A class the key may not use is refused before vLLM's code renders (and tokenizes) the prompt.
-            self.classify(service_tier, class_header, principal)
+            request_class = self.classify(service_tier, class_header, principal)
             if isinstance(body, dict):
                 self.surface.check_bounds(endpoint, body)
                 if stream is not None:
                     body = {**body, "stream": stream}
             request = self.surface.parse(endpoint, body)
+            self._refuse_before_render(endpoint, body, request, request_class, principal)
         except api.OpenAIError as error:
             self.count_refusal(record, service_tier, class_header, error.status)
             raise
@@ -189,9 +191,7 @@ class RequestPipeline:
         self.metrics.count_admission(decision="admit" if admitted.admitted else "reject",
                                      reason=reason_label(admitted.reason), request_class=request_class)
         if not admitted.admitted:
-            raise api.OpenAIError(429, f"too many {request_class.value} requests are waiting ({admitted.reason}); "
-                                       f"retry in {admitted.retry_after_s} s", type="rate_limit_error",
-                                  code="queue_full", headers={"Retry-After": str(admitted.retry_after_s)})
+            raise self._queue_full_error(request_class, admitted)
         record.admitted(request_class)
         started = False
         try:
@@ -225,13 +225,7 @@ class RequestPipeline:
             hot_wait_expired=hot_wait_expired, continuation=continuation_tokens > 0,
             waited_s=time.monotonic() - context.record.arrived_at, tenant=context.tenant)
         if isinstance(decision, RouteRefusal):
-            headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
-            error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")
-            message = decision.message
-            if decision.status == 429 and decision.retry_after_s:
-                message += f"; retry in {decision.retry_after_s} s"
-            raise api.OpenAIError(decision.status, message, code=decision.code, type=error_type,
-                                  param="max_tokens" if decision.status == 400 else None, headers=headers)
+            raise self._route_refusal_error(decision)
         if (context.handoff_blocker not in (None, "stop") and continuation_tokens == 0
                 and REASON_HANDOFF_SKIPPED not in context.reasons
                 and handoff_after_tokens(request_class=context.request_class, lane=decision.lane,
@@ -249,6 +243,45 @@ class RequestPipeline:
                 context.reasons.append(reason)
                 self.metrics.count_degrade(reason=reason_label(reason), request_class=context.request_class)
         return decision
+
+    # ---- refusals ---------------------------------------------------------------------------------------------------
+
+    def _refuse_before_render(self, endpoint: Endpoint, body: Any, request, request_class: RequestClass,
+                              principal: Principal) -> None:
+        """Raise the 429 that admission or the routing decision would give this request whatever its exact prompt,
+        before vLLM's code renders and tokenizes it: under a retry storm refusals are most of the requests, and each
+        must cost the Router almost nothing next to the streams it is writing. A request whose sampling parameters
+        vLLM refuses gets that 400 instead (the client's mistake, which no retry mends)."""
+        if not isinstance(body, dict):
+            return
+        max_tokens = api.requested_max_tokens(body, self.cfg.router.default_max_tokens)
+        refusal = self.control.refusal_before_render(
+            request_class, api.prompt_tokens_bound(body, chat=endpoint.chat), max_tokens, principal.tenant)
+        if refusal is None:
+            return
+        self.surface.check_sampling(endpoint, request, max_tokens)
+        if isinstance(refusal, AdmissionResult):
+            self.metrics.count_admission(decision="reject", reason=reason_label(refusal.reason),
+                                         request_class=request_class)
+            raise self._queue_full_error(request_class, refusal)
+        if refusal is not None:
+            raise self._route_refusal_error(refusal)
+
+    @staticmethod
+    def _queue_full_error(request_class: RequestClass, refused: AdmissionResult) -> api.OpenAIError:
+        return api.OpenAIError(429, f"too many {request_class.value} requests are waiting ({refused.reason}); "
+                                    f"retry in {refused.retry_after_s} s", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(refused.retry_after_s)})
+
+    @staticmethod
+    def _route_refusal_error(decision: RouteRefusal) -> api.OpenAIError:
+        headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else None
+        error_type = {400: "invalid_request_error", 429: "rate_limit_error"}.get(decision.status, "server_error")
+        message = decision.message
+        if decision.status == 429 and decision.retry_after_s:
+            message += f"; retry in {decision.retry_after_s} s"
+        return api.OpenAIError(decision.status, message, code=decision.code, type=error_type,
+                               param="max_tokens" if decision.status == 400 else None, headers=headers)
 
     # ---- bookkeeping -----------------------------------------------------------------------------------------------
 

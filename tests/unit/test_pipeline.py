@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from app.classes import Lane
+from app.classes import Lane, RequestClass
 from app.lanes.types import LaneChunk, LaneRequest
 from app.router import openai_api as api
-from app.router.endpoints import COMPLETION
+from app.router.endpoints import CHAT, COMPLETION
 from tests.fakes import FakeClock, FakeLane, generation, make_pipeline
 
 # 8 sequences per hot engine, 4 of them for realtime: 4 hot slots for interactive work at this (only) Router.
@@ -184,6 +184,87 @@ async def test_past_the_slo_interactive_spills_while_the_cold_lane_has_room_then
     await asyncio.wait_for(first_waiter, timeout=5)
     await h.finish_all()
     assert h.slots.in_flight == 0 and h.pipeline.control.cold_spill.in_flight == 0
+
+
+async def test_a_refusal_under_load_is_decided_before_vllm_renders_the_prompt(monkeypatch):
+    h = Harness()
+    await h.warm_up(hold_s=4.0)
+    for _ in range(4):
+        await h.start()
+    waiter = asyncio.create_task(h.start())
+    await h.settle()
+    [await h.start() for _ in range(2)]  # the cold lane's spill room taken: the next interactive request is refused
+
+    def render(*args):
+        raise AssertionError("a request refused for the load was rendered")
+
+    monkeypatch.setattr(h.pipeline.surface, "answer", render)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "stream": True}
+    with pytest.raises(api.OpenAIError) as refused:
+        await h.pipeline.answer(CHAT, body)
+    assert refused.value.status == 429 and refused.value.code == "hot_lane_full"
+    assert refused.value.headers["Retry-After"].isdigit()
+    rejected = [tags for _, tags in h.metrics.of("llm_lanes_requests_total") if tags["outcome"] == "rejected"]
+    assert rejected == [{"lane": "none", "request_class": "interactive", "outcome": "rejected", "status": "429"}]
+    # Invalid whatever the load: still the 400 (the body's fault), not the 429.
+    with pytest.raises(api.OpenAIError) as invalid:
+        await h.pipeline.answer(CHAT, {**body, "temperature": -1})
+    assert invalid.value.status == 400
+    # Realtime and batch are not the interactive line's to refuse; a prompt that may be long is rendered first.
+    control = h.pipeline.control
+    assert control.refusal_before_render(RequestClass.INTERACTIVE, 10, 2).code == "hot_lane_full"
+    assert control.refusal_before_render(RequestClass.REALTIME, 10, 2) is None
+    assert control.refusal_before_render(RequestClass.BATCH, 10, 2) is None
+    assert control.refusal_before_render(RequestClass.INTERACTIVE, None, 2) is None
+    assert control.refusal_before_render(RequestClass.INTERACTIVE, h.pipeline.cfg.model.max_model_len, 2) is None
+    h.lanes["hot"].finish_one()
+    await asyncio.wait_for(waiter, timeout=5)
+    await h.finish_all()
+
+
+async def test_a_full_queue_refuses_before_rendering_and_a_prompt_it_cannot_bound_is_rendered_first(monkeypatch):
+    pipeline, lanes, metrics = make_pipeline(admission={"interactive_queue_bound": 0})
+    rendered = []
+    real_answer = pipeline.surface.answer
+
+    async def answer(*args):
+        rendered.append(args)
+        return await real_answer(*args)
+
+    monkeypatch.setattr(pipeline.surface, "answer", answer)
+    with pytest.raises(api.OpenAIError) as full:
+        await pipeline.answer(COMPLETION, {"model": "tiny", "prompt": "hello", "max_tokens": 2})
+    assert full.value.code == "queue_full" and not rendered
+    assert [tags for _, tags in metrics.of("llm_lanes_admission_decisions_total")] == [
+        {"decision": "reject", "reason": "queue_full", "request_class": "interactive"}]
+    # An image's tokens are not its URL's bytes: rendered, then refused by admission as before.
+    image = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}
+    with pytest.raises(api.OpenAIError):
+        await pipeline.answer(CHAT, image)
+    assert len(rendered) == 1 and not lanes["hot"].requests
+
+
+@pytest.mark.parametrize("body, chat, bound", [
+    ({"prompt": "héllo"}, False, 6 + api.COMPLETION_EXTRA_TOKENS_BOUND),
+    ({"prompt": [1, 2, 3]}, False, 3 + api.COMPLETION_EXTRA_TOKENS_BOUND),
+    ({"prompt": ["ab", "abcd"], "suffix": "x"}, False, 5 + api.COMPLETION_EXTRA_TOKENS_BOUND),
+    ({"prompt": [[1], [1, 2]]}, False, 2 + api.COMPLETION_EXTRA_TOKENS_BOUND),
+    ({"prompt": ""}, False, None), ({"prompt": ["a", ""]}, False, None), ({"prompt_embeds": "x"}, False, None),
+    ({"messages": []}, True, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"}, True, None),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, True, None),
+])
+def test_the_prompt_tokens_bound_is_the_texts_bytes_or_unknown(body, chat, bound):
+    assert api.prompt_tokens_bound(body, chat=chat) == bound
+
+
+def test_a_chat_prompts_bound_covers_its_messages_and_tools():
+    messages = [{"role": "user", "content": "héllo " * 50}]
+    bound = api.prompt_tokens_bound({"messages": messages}, chat=True)
+    assert bound >= len(("héllo " * 50).encode()) + api.CHAT_TEMPLATE_TOKENS_BOUND
+    tools = [{"type": "function", "function": {"name": "f" * 100, "parameters": {}}}]
+    assert api.prompt_tokens_bound({"messages": messages, "tools": tools}, chat=True) > bound + 100
 
 
 async def test_a_waiting_request_whose_client_leaves_gives_up_its_place():
