@@ -1,0 +1,197 @@
+"""The interactive promise under stress, one command and one report: retry storms of naive and polite clients, and
+kill -9 of each lane replica and of one of two Router replicas under load.
+
+    python -m load_tests.stress --serve-config serve_configs/local.yaml --out load_tests/results/stress
+
+Scenarios, each on an app of its own started and stopped by the tool that drives it (`--scenarios` picks some):
+- `storm-naive`: `load_tests.overload` (light traffic, a quiet spell, then `--interactive` interactive and `--flex`
+  flex streaming clients for `--burst-s` s from two client processes), each refused client sending its next request
+  0.2 s after the refusal without waiting for its Retry-After, as retry loops do;
+- `storm-polite`: the same, each refused client waiting the Retry-After;
+- `kills`: `load_tests.chaos` on the config with two Router replicas, `--chaos-interactive` interactive and
+  `--chaos-flex` flex streams and a batch, killing the HotLane, the ColdLane and then one Router replica in turn.
+
+The report (`report.md`, `report.json`) gives per scenario, or per kill: the admitted interactive TTFT p50 / p99 at
+the client; for the storms, the share of the stats samples in which a Router held interactive requests that had the
+hot engines running some (`/v1/admin/stats` every `--sample-interval` s), the refusals per second and the client
+processes' own CPU waits; for the kills, the interactive requests sent while the replacement started and how many
+were answered, the streams under way at the kill and how many finished without an error event; and every failure by
+class (HTTP status, or `stream` for an error event mid-stream). Each tool's own report is kept beside it
+(`<scenario>/report.md`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCENARIOS = ("storm-naive", "storm-polite", "kills")
+KILLS = "HotLane,ColdLane,Router"
+
+
+def scenario_command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The tool and arguments that run one scenario."""
+    python = [sys.executable, "-m"]
+    sets = [item for value in args.overrides for item in ("--set", value)]
+    if name.startswith("storm-"):
+        command = [*python, "load_tests.overload", "--serve-config", args.serve_config, "--out", str(out),
+                   "--interactive", str(args.interactive), "--flex", str(args.flex), "--burst-s", str(args.burst_s),
+                   "--sample-interval", str(args.sample_interval), *sets]
+        return command + (["--no-wait-on-refusal"] if name == "storm-naive" else [])
+    return [*python, "load_tests.chaos", "--serve-config", args.serve_config, "--out", str(out),
+            "--interactive", str(args.chaos_interactive), "--flex", str(args.chaos_flex),
+            "--batch-lines", str(args.batch_lines), "--kill", KILLS, "--set", "router.num_replicas=2", *sets]
+
+
+def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """A storm's figures from load_tests.overload's report."""
+    head = report["headline"]
+    burst = report["phases"].get("burst") or {}
+    classes = burst.get("classes") or {}
+    window_s = burst.get("window_s") or report["settings"].get("burst_s")
+    held = head.get("samples_interactive_held") or 0
+    idle = head.get("samples_held_while_hot_running_none") or 0
+    refusals = sum(c.get("rejected_429") or 0 for c in classes.values())
+    failures = {("flex" if cls == "batch" else cls): dict(c.get("other_errors") or {}) for cls, c in classes.items()}
+    return {
+        "scenario": name,
+        "interactive_ttft_p50_ms": head.get("interactive_ttft_p50_ms"),
+        "interactive_ttft_p99_ms": head.get("interactive_ttft_p99_ms"),
+        "interactive_admitted": head.get("interactive_admitted"),
+        "samples_router_held_interactive": held,
+        "hot_running_while_held_share": round((held - idle) / held, 3) if held else None,
+        "refusals_per_s": round(refusals / window_s, 1) if window_s else None,
+        "server_errors_5xx": head.get("server_errors_5xx"),
+        "failures": failures,
+        "client_cpu": (report["settings"].get("generators") or {}).get("burst"),
+        "autogroup": report["settings"].get("autogroup"),
+    }
+
+
+def kill_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per kill from load_tests.chaos's report."""
+    rows = []
+    for kill in report["kills"]:
+        down = kill.get("interactive_while_down") or {}
+        ttft = down.get("ttft_ms") or {}
+        failures = {("flex" if cls == "batch" else cls): errors for cls, errors in kill["errors"].items()}
+        rows.append({
+            "scenario": f"kill -9 {kill['deployment']}",
+            "interactive_ttft_p50_ms": ttft.get("p50"),
+            "interactive_ttft_p99_ms": ttft.get("p99"),
+            "interactive_sent_while_down": down.get("sent"),
+            "interactive_answered_while_down": down.get("answered"),
+            "replacement_running_s": kill.get("replaced_s"),
+            "streams_under_way": down.get("under_way_at_kill"),
+            "streams_under_way_finished": down.get("under_way_finished"),
+            "failures": failures,
+            "server_errors_5xx": sum(n for errors in kill["errors"].values() for key, n in errors.items()
+                                     if key.isdigit() and int(key) >= 500),
+        })
+    return rows
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _failures(failures: dict[str, dict[str, int]]) -> str:
+    shown = [f"{cls} {key}: {n}" for cls, errors in failures.items() for key, n in sorted(errors.items())]
+    return ", ".join(shown) or "none"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Stress: `{report['serve_config']}`", ""]
+    storms = [row for row in report["rows"] if "refusals_per_s" in row]
+    kills = [row for row in report["rows"] if "refusals_per_s" not in row]
+    if storms:
+        lines += ["| scenario | admitted interactive TTFT p50 / p99 (ms) | admitted | samples with interactive held "
+                  "by a Router: hot engines running some | refusals/s | 5xx | other failures | client processes "
+                  "on a CPU / waiting (s per s) |", "|---|---|---|---|---|---|---|---|"]
+        for row in storms:
+            share = row["hot_running_while_held_share"]
+            cpu = ", ".join(f"{u['on_cpu_per_s']:.2f} / {u['runqueue_wait_per_s']:.2f}"
+                            for u in row.get("client_cpu") or [] if u) or "–"
+            lines.append(f"| {row['scenario']} | {_num(row['interactive_ttft_p50_ms'])} / "
+                         f"{_num(row['interactive_ttft_p99_ms'])} | {_num(row['interactive_admitted'])} | "
+                         f"{'–' if share is None else f'{share * 100:.0f} %'} of "
+                         f"{row['samples_router_held_interactive']} | {_num(row['refusals_per_s'], 1)} | "
+                         f"{_num(row['server_errors_5xx'])} | {_failures(row['failures'])} | {cpu} |")
+        autogroup = {row["autogroup"] for row in storms}
+        lines += ["", "The kernel's autogroup scheduling: " + ", ".join(
+            "on" if a else ("off" if a is False else "unknown") for a in autogroup) + " (load_tests/README.md).", ""]
+    if kills:
+        lines += ["| kill | interactive sent until the replacement ran | answered | TTFT p50 / p99 (ms) | replacement "
+                  "RUNNING (s) | streams under way: finished | 5xx | failures |", "|---|---|---|---|---|---|---|---|"]
+        for row in kills:
+            lines.append(f"| {row['scenario']} | {_num(row['interactive_sent_while_down'])} | "
+                         f"{_num(row['interactive_answered_while_down'])} | {_num(row['interactive_ttft_p50_ms'])} / "
+                         f"{_num(row['interactive_ttft_p99_ms'])} | {_num(row['replacement_running_s'], 1)} | "
+                         f"{_num(row['streams_under_way_finished'])} of {_num(row['streams_under_way'])} | "
+                         f"{_num(row['server_errors_5xx'])} | {_failures(row['failures'])} |")
+        lines.append("")
+    lines += ["Each scenario's own report: " + ", ".join(f"`{name}/report.md`" for name in report["scenarios"]), ""]
+    return "\n".join(lines)
+
+
+def build_report(serve_config: str, out: Path, scenarios: list[str]) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    for name in scenarios:
+        path = out / name / "report.json"
+        if not path.exists():
+            rows.append({"scenario": name, "missing": str(path)})
+            continue
+        report = json.loads(path.read_text(encoding="utf-8"))
+        rows.extend(kill_rows(report) if name == "kills" else [storm_row(name, report)])
+    return {"serve_config": serve_config, "scenarios": scenarios, "rows": [r for r in rows if "missing" not in r],
+            "missing": [r for r in rows if "missing" in r]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve-config", required=True, help="a full serve config (not an overlay)")
+    parser.add_argument("--out", required=True, help="directory for report.md, report.json and each scenario's")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"some of {','.join(SCENARIOS)}")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of the app's args (dotted path without `args.`, YAML value)")
+    parser.add_argument("--interactive", type=int, default=160, help="interactive streams in a storm")
+    parser.add_argument("--flex", type=int, default=16, help="flex streams in a storm")
+    parser.add_argument("--burst-s", type=float, default=40.0, help="seconds a storm lasts")
+    parser.add_argument("--sample-interval", type=float, default=1.0, help="seconds between stats samples")
+    parser.add_argument("--chaos-interactive", type=int, default=4, help="interactive streams during the kills")
+    parser.add_argument("--chaos-flex", type=int, default=2, help="flex streams during the kills")
+    parser.add_argument("--batch-lines", type=int, default=100, help="lines of the batch during the kills")
+    parser.add_argument("--rebuild", action="store_true", help="only rebuild the report from the scenarios' reports")
+    args = parser.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"--scenarios: {', '.join(unknown)} is not one of {', '.join(SCENARIOS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    status = 0
+    if not args.rebuild:
+        for name in scenarios:
+            command = scenario_command(name, args, out / name)
+            print(f"[stress] {name}: {' '.join(command)}", flush=True)
+            status = subprocess.run(command).returncode or status
+    report = build_report(args.serve_config, out, scenarios)
+    (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    print((out / "report.md").read_text(encoding="utf-8"))
+    if report["missing"]:
+        print(f"[stress] no report from: {', '.join(r['scenario'] for r in report['missing'])}", file=sys.stderr)
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
