@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 LANE_LOSS_RETRIES = 2
 # How often a call waiting for its first chunk looks whether its lane still has a replica.
 LANE_DOWN_CHECK_S = 0.5
+# The pause before a call lost with its replica is started again: Serve's handle learns of a dead replica from the
+# controller, and a call made at once can reach the same replica (three flex requests failed so within 0.7 s of a
+# cold replica's kill). Batch work, which waits for its lane (spill.py, rule 6a), is started again after
+# BATCH_LANE_LOSS_WAIT_S as often as its deadline allows, not LANE_LOSS_RETRIES times.
+LANE_LOSS_BACKOFF_S = 0.25
+BATCH_LANE_LOSS_WAIT_S = 1.0
 
 
 class LaneStream(Protocol):
@@ -221,16 +227,20 @@ class LaneCall:
         """_start_on, again on a new decision when the replica is lost before the first chunk: nothing reached the
         client yet, so the request is not lost with it. The loss counts against the lane's breaker, so the new
         decision may move the request to the other lane."""
-        for retry in range(LANE_LOSS_RETRIES + 1):
+        waits_for_lane = self.request_class is RequestClass.BATCH
+        pause_s = BATCH_LANE_LOSS_WAIT_S if waits_for_lane else LANE_LOSS_BACKOFF_S
+        retry = 0
+        while True:
             try:
                 return await self._start_on(decision)
             except LaneReplicaLost as error:
-                if retry == LANE_LOSS_RETRIES or self._remaining() <= 0:
+                if (retry == LANE_LOSS_RETRIES and not waits_for_lane) or self._remaining() <= pause_s:
                     raise self._as_openai_error(error) from None
+                retry += 1
                 logger.warning("request %s: its %s lane replica was lost before the first token; starting it again",
                                self.context.request_id, self.lane.value)
+                await asyncio.sleep(pause_s)
                 decision = self.route(self.context)
-        raise AssertionError("unreachable")
 
     async def _start_on(self, decision: RouteDecision) -> LaneChunk:
         """Take the decision's slot (waiting for a hot slot as long as the TTFT target and the deadline allow; past

@@ -9,6 +9,7 @@ from app.classes import Lane
 from app.lanes.types import LaneReplicaLost
 from app.router import openai_api as api
 from app.router.endpoints import CHAT, COMPLETION
+from app.router import lane_call
 from app.router.lane_call import LANE_LOSS_RETRIES
 from tests.fakes import FakeLane, lane_chunks, make_pipeline
 
@@ -65,6 +66,30 @@ async def test_a_lane_losing_every_replica_answers_503_after_the_retries():
         await pipeline.answer(COMPLETION, completion())
     assert refused.value.status == 503 and refused.value.body()["error"]["code"] == "lane_unavailable"
     assert len(lanes["hot"].requests) == LANE_LOSS_RETRIES + 1
+
+
+async def test_batch_work_lost_with_its_replica_is_started_again_until_its_lane_serves_it(monkeypatch):
+    monkeypatch.setattr(lane_call, "BATCH_LANE_LOSS_WAIT_S", 0.01)
+    lanes = {"hot": FakeLane("hot"), "cold": LosingLane("cold", losses=LANE_LOSS_RETRIES + 3)}
+    pipeline, _, _ = make_pipeline(lanes, admission={"breaker": {"failure_threshold": 100}})
+    answer = await pipeline.answer(COMPLETION, completion(service_tier="flex"))
+    assert answer.response["choices"][0]["text"] == "abcdef" and answer.calls[0].lane is Lane.COLD
+    assert len(lanes["cold"].requests) == LANE_LOSS_RETRIES + 4 and not lanes["hot"].requests
+
+
+async def test_a_call_lost_with_its_replica_pauses_before_it_is_started_again(monkeypatch):
+    pauses = []
+    real_sleep = lane_call.asyncio.sleep
+
+    async def sleep(seconds):
+        pauses.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(lane_call.asyncio, "sleep", sleep)
+    lanes = {"hot": LosingLane("hot", losses=1), "cold": FakeLane("cold")}
+    pipeline, _, _ = make_pipeline(lanes)
+    await pipeline.answer(COMPLETION, completion())
+    assert [p for p in pauses if p] == [lane_call.LANE_LOSS_BACKOFF_S]  # asyncio.sleep(0) is the fakes' own
 
 
 async def test_losses_that_open_the_breaker_move_interactive_work_to_the_other_lane():
