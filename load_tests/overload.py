@@ -501,6 +501,10 @@ def summarize_class(records: Sequence[RequestRecord], slo_s: float | None,
         "ttft_ms_by_lane": {lane: distribution_ms(r.ttft_s for r in admitted if r.ok and r.ttft_s is not None
                                                   and r.headers.get(LANE_HEADER) == lane)
                             for lane in sorted(lanes)},
+        # The streams the Router holds keep flowing while it refuses others: time per output token once started.
+        "tpot_ms": distribution_ms((r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in admitted
+                                   if r.ok and r.streaming and r.ttft_s is not None and r.e2e_s is not None
+                                   and r.output_tokens > 1),
         "hot_share": (lanes.get("hot", 0) / len(admitted)) if admitted else None,
         "hot_saturated": sum(1 for r in admitted if HOT_SATURATED in degraded_reasons(r)),
         "output_tokens": sum(r.output_tokens for r in admitted if r.ok),
@@ -556,6 +560,8 @@ def headline(phases: dict[str, dict[str, Any]], limits: Limits) -> dict[str, Any
         "hot_capacity": limits.hot_capacity,
         "interactive_ttft_p50_ms": (interactive.get("ttft_ms") or {}).get("p50"),
         "interactive_ttft_p99_ms": (interactive.get("ttft_ms") or {}).get("p99"),
+        "interactive_tpot_p50_ms": (interactive.get("tpot_ms") or {}).get("p50"),
+        "interactive_tpot_p99_ms": (interactive.get("tpot_ms") or {}).get("p99"),
         "interactive_ttft_slo_s": limits.interactive_ttft_slo_s,
         "interactive_ttft_p99_within_slo": interactive.get("ttft_p99_within_slo"),
         "retry_after_s": interactive.get("retry_after_s"),
@@ -628,6 +634,7 @@ CLASS_ROWS: list[tuple[str, Any]] = [
     ("admitted TTFT p50 / p90 / p99 (ms)", lambda c: _triple(c["ttft_ms"], ("p50", "p90", "p99"))),
     ("TTFT SLO (s): within / p99 within", lambda c: "–" if c["ttft_slo_s"] is None else
      f"{c['ttft_slo_s']:g}: {_pct(c['ttft_within_slo'])} / {_num(c['ttft_p99_within_slo'])}"),
+    ("admitted streams' TPOT p50 / p99 (ms)", lambda c: _triple(c.get("tpot_ms") or {}, ("p50", "p99"))),
     ("admitted by lane", lambda c: ", ".join(f"{k}: {v}" for k, v in c["lanes"].items()) or "–"),
     ("TTFT p50 / p99 by lane (ms)", lambda c: "; ".join(f"{k}: {_triple(v, ('p50', 'p99'))}"
                                                         for k, v in c.get("ttft_ms_by_lane", {}).items()) or "–"),

@@ -62,6 +62,8 @@ def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "interactive_ttft_p50_ms": head.get("interactive_ttft_p50_ms"),
         "interactive_ttft_p99_ms": head.get("interactive_ttft_p99_ms"),
         "interactive_admitted": head.get("interactive_admitted"),
+        "interactive_tpot_p50_ms": head.get("interactive_tpot_p50_ms"),
+        "interactive_tpot_p99_ms": head.get("interactive_tpot_p99_ms"),
         "samples_router_held_interactive": held,
         "hot_running_while_held_share": round((held - idle) / held, 3) if held else None,
         "refusals_per_s": round(refusals / window_s, 1) if window_s else None,
@@ -113,15 +115,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     storms = [row for row in report["rows"] if "refusals_per_s" in row]
     kills = [row for row in report["rows"] if "refusals_per_s" not in row]
     if storms:
-        lines += ["| scenario | admitted interactive TTFT p50 / p99 (ms) | admitted | samples with interactive held "
-                  "by a Router: hot engines running some | refusals/s | 5xx | other failures | client processes "
-                  "on a CPU / waiting (s per s) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| scenario | admitted interactive TTFT p50 / p99 (ms) | their TPOT p50 / p99 (ms) | admitted | "
+                  "samples with interactive held by a Router: hot engines running some | refusals/s | 5xx | other "
+                  "failures | client processes on a CPU / waiting (s per s) |", "|---|---|---|---|---|---|---|---|---|"]
         for row in storms:
             share = row["hot_running_while_held_share"]
             cpu = ", ".join(f"{u['on_cpu_per_s']:.2f} / {u['runqueue_wait_per_s']:.2f}"
                             for u in row.get("client_cpu") or [] if u) or "–"
             lines.append(f"| {row['scenario']} | {_num(row['interactive_ttft_p50_ms'])} / "
-                         f"{_num(row['interactive_ttft_p99_ms'])} | {_num(row['interactive_admitted'])} | "
+                         f"{_num(row['interactive_ttft_p99_ms'])} | {_num(row.get('interactive_tpot_p50_ms'), 1)} / "
+                         f"{_num(row.get('interactive_tpot_p99_ms'), 1)} | {_num(row['interactive_admitted'])} | "
                          f"{'–' if share is None else f'{share * 100:.0f} %'} of "
                          f"{row['samples_router_held_interactive']} | {_num(row['refusals_per_s'], 1)} | "
                          f"{_num(row['server_errors_5xx'])} | {_failures(row['failures'])} | {cpu} |")

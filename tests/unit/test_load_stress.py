@@ -12,6 +12,7 @@ def overload_report(held: int, idle: int, refused: int, other_errors: dict[str, 
         "settings": {"burst_s": 40.0, "autogroup": False,
                      "generators": {"burst": [{"on_cpu_per_s": 0.5, "runqueue_wait_per_s": 0.25}]}},
         "headline": {"interactive_ttft_p50_ms": 800.0, "interactive_ttft_p99_ms": 2900.0, "interactive_admitted": 150,
+                     "interactive_tpot_p50_ms": 40.0, "interactive_tpot_p99_ms": 95.5,
                      "samples_interactive_held": held, "samples_held_while_hot_running_none": idle,
                      "server_errors_5xx": 0},
         "phases": {"burst": {"window_s": 40.0, "classes": {
@@ -40,7 +41,7 @@ def test_the_report_has_a_row_per_storm_and_per_kill(tmp_path):
     assert kill["server_errors_5xx"] == 1 and kill["failures"]["flex"] == {"503": 1}
     assert [m["scenario"] for m in report["missing"]] == ["storm-polite"]
     markdown = stress.render_markdown(report)
-    assert "| storm-naive | 800 / 2,900 | 150 | 90 % of 10 | 100.0 | 0 | interactive stream: 2 | 0.50 / 0.25 |" \
+    assert "| storm-naive | 800 / 2,900 | 40.0 / 95.5 | 150 | 90 % of 10 | 100.0 | 0 | interactive stream: 2 | 0.50 / 0.25 |" \
         in markdown
     assert "| kill -9 HotLane | 213 | 213 | 198 / 2852 | 41.9 | 4 of 4 | 1 | flex 503: 1 |" in markdown
 
