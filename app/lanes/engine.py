@@ -156,6 +156,8 @@ class VllmEngine:
         self._latest_scheduler_stats = None
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted_tokens = 0
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -212,6 +214,10 @@ class VllmEngine:
                     engine._prefix_queries = engine._prefix_hits = 0
                 engine._prefix_queries += prefix.queries
                 engine._prefix_hits += prefix.hits
+                spec = scheduler_stats.spec_decoding_stats
+                if spec is not None:
+                    engine._spec_draft_tokens += spec.num_draft_tokens
+                    engine._spec_accepted_tokens += spec.num_accepted_tokens
 
             def log_engine_initialized(self):
                 pass
@@ -297,6 +303,8 @@ class VllmEngine:
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
             kv_capacity_tokens=capacity,
+            spec_draft_tokens=self._spec_draft_tokens,
+            spec_accepted_tokens=self._spec_accepted_tokens,
         )
 
     def shutdown(self) -> None:

@@ -270,6 +270,7 @@ class LaneReplica:
             "replica_id": self.replica_id,
             **asdict(engine_stats),
             "prefix_cache_hit_rate": engine_stats.prefix_cache_hit_rate,
+            "spec_acceptance_rate": engine_stats.spec_acceptance_rate,
             "inflight_by_class": {k: v for k, v in self.inflight_by_class.items() if v},
             "served_by_class": dict(self.served_by_class),
             "aborted_by_class": dict(self.aborted_by_class),

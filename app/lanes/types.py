@@ -103,7 +103,15 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_capacity_tokens: int | None = None
+    # Speculative decoding (engine.speculative_config), since the engine started: tokens drafted, and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """The share of drafted tokens the target model accepted (None: nothing drafted)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None

@@ -41,8 +41,8 @@ def test_the_report_has_a_row_per_storm_and_per_kill(tmp_path):
     assert kill["server_errors_5xx"] == 1 and kill["failures"]["flex"] == {"503": 1}
     assert [m["scenario"] for m in report["missing"]] == ["storm-polite"]
     markdown = stress.render_markdown(report)
-    assert "| storm-naive | 800 / 2,900 | 40.0 / 95.5 | 150 | 90 % of 10 | 100.0 | 0 | interactive stream: 2 | 0.50 / 0.25 |" \
-        in markdown
+    assert ("| storm-naive | 800 / 2,900 | 40.0 / 95.5 | 150 | 90 % of 10 | 100.0 | 0 | interactive stream: 2 | "
+            "0.50 / 0.25 |") in markdown
     assert "| kill -9 HotLane | 213 | 213 | 198 / 2852 | 41.9 | 4 of 4 | 1 | flex 503: 1 |" in markdown
 
 
