@@ -19,6 +19,7 @@ import csv
 import datetime as dt
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -36,6 +37,8 @@ PHASE_ORDER = ("lanes-tuned", "lanes", "lanes-tuned-mps", "baseline-fcfs", "base
 HEADLINE_SCENARIO = "gpu_mixed"
 # gpu_campaign.sh names a phase <phase><DIRECT_INGRESS_SUFFIX> when it sends the scenarios past the HTTP proxy.
 DIRECT_INGRESS_SUFFIX = "-di"
+# A phase run again in one campaign folder (gpu_campaign.sh numbers it rather than replacing the first run).
+RUN_SUFFIX = re.compile(r"-run\d+$")
 READY_POLL_S = 3.0
 # Long enough that one request normally waits out a lane still starting (Serve holds it until a replica is up):
 # repeated client timeouts would count as lane failures for the circuit breaker.
@@ -411,8 +414,9 @@ def phase_summary(phase_dir: Path, kv_predictions: dict[str, dict[str, int]]) ->
 
 
 def phase_name(label: str) -> str:
-    """The phase a label names, whichever ingress it ran through: 'baseline-fcfs-di' -> 'baseline-fcfs'."""
-    return label.removesuffix(DIRECT_INGRESS_SUFFIX)
+    """The phase a label names, whichever ingress it ran through and however many times it ran in the campaign:
+    'baseline-fcfs-di' and 'baseline-fcfs-di-run2' -> 'baseline-fcfs'."""
+    return RUN_SUFFIX.sub("", label).removesuffix(DIRECT_INGRESS_SUFFIX)
 
 
 def is_baseline(label: str) -> bool:

@@ -23,8 +23,10 @@
 #
 # A device call is limited to 10 minutes, so one call runs one or two phases. State lives in $CAMPAIGN_DIR
 # (/tmp/campaign), which survives back-to-back calls on a warm machine; at the end of every phase and at exit the
-# whole campaign so far is copied into $OUT (<= 7 files, no folders): summary.md, summary.json, report.md,
-# latency_cdf.png, throughput.png (the combined gpu_mixed report), campaign.tar.gz (everything), campaign.log.
+# whole campaign so far is copied into $OUT (<= 7 files, no folders): summary.md, summary.json, report.md (every
+# scenario's combined report, gpu_mixed's first), latency_cdf.png, throughput.png (gpu_mixed's), campaign.tar.gz
+# (everything), campaign.log. A phase run again in the same campaign (another SCENARIOS, a repeat) keeps the first
+# run's folder and is named <label>-run2, -run3...
 # A serving phase that would not finish inside the call (CALL_BUDGET_S from CALL_T0) is deferred, not started:
 # the script then exits 3 and lists it in summary.md; run it in the next call.
 #
@@ -290,6 +292,12 @@ run_serving_phase() {
   local spec
   label=$(label_for "$phase"); read -r -a spec <<<"$(config_for "$phase")"; config=${spec[0]}
   dir=$CAMPAIGN_DIR/$label
+  if [ -f "$dir/phase.json" ]; then
+    # Run before in this campaign (another scenario, a repeat): kept, and this run numbered beside it.
+    local n=2
+    while [ -e "$CAMPAIGN_DIR/$label-run$n" ]; do n=$((n + 1)); done
+    label="$label-run$n"; dir=$CAMPAIGN_DIR/$label
+  fi
   PHASE_T0=$(date +%s)
   rm -rf "$dir"; mkdir -p "$dir"
   log "[$label] config ${spec[*]}"
@@ -407,8 +415,16 @@ finalize_out() {
     >>"$LOG" 2>&1 || log "summary failed (see campaign.log)"
   mkdir -p "$OUT_DIR"
   cp -f "$CAMPAIGN_DIR/combined/summary.md" "$CAMPAIGN_DIR/combined/summary.json" "$OUT_DIR/" 2>/dev/null
-  for f in report.md latency_cdf.png throughput.png; do
+  for f in latency_cdf.png throughput.png; do
     cp -f "$CAMPAIGN_DIR/combined/gpu_mixed/$f" "$OUT_DIR/$f" 2>/dev/null
+  done
+  # Every scenario's report in one report.md, gpu_mixed's first: a call returns 8 files at most.
+  local report
+  rm -f "$OUT_DIR/report.md"
+  for report in "$CAMPAIGN_DIR/combined/gpu_mixed/report.md" "$CAMPAIGN_DIR"/combined/*/report.md; do
+    [ -f "$report" ] || continue
+    [ "$report" = "$CAMPAIGN_DIR/combined/gpu_mixed/report.md" ] && [ -s "$OUT_DIR/report.md" ] && continue
+    cat "$report" >>"$OUT_DIR/report.md"; printf '\n' >>"$OUT_DIR/report.md"
   done
   base=$(basename "$CAMPAIGN_DIR"); parent=$(dirname "$CAMPAIGN_DIR")
   tar -czf "$OUT_DIR/campaign.tar.gz.part" -C "$parent" --exclude="$base/out" "$base" 2>/dev/null

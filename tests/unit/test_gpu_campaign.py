@@ -100,11 +100,16 @@ def test_gpu_scenarios_have_issue_7_shape():
     assert mixed.count_empty_chunks and mixed.model == MODEL
     shared = load_scenario(REPO / "load_tests/scenarios/gpu_shared_prefix.yaml")
     assert shared.count_empty_chunks and any(s.shared_prefix for s in shared.streams)
-    # gpu_mixed_rt2 differs only in the realtime rate (enough realtime requests for a p99 that is not the maximum).
+    # gpu_mixed_rt2 differs only in the realtime rate (enough realtime requests for a p99 that is not the maximum)
+    # and its seed: its own prompts, which gpu_mixed run before it on the same engines has not put in the cache.
     rt2 = load_scenario(REPO / "load_tests/scenarios/gpu_mixed_rt2.yaml")
     assert {s.request_class: s for s in rt2.streams}["realtime"].arrival.rate == 2
-    assert (rt2.model_copy(update={"name": mixed.name, "description": mixed.description, "streams": mixed.streams})
-            == mixed)
+    assert rt2.seed != mixed.seed
+    assert (rt2.model_copy(update={"name": mixed.name, "description": mixed.description, "streams": mixed.streams,
+                                   "seed": mixed.seed}) == mixed)
+    seeds = [load_scenario(REPO / f"load_tests/scenarios/{name}.yaml").seed
+             for name in ("gpu_mixed", "gpu_mixed_rt2", "gpu_mixed_rt4", "gpu_shared_prefix")]
+    assert len(set(seeds)) == len(seeds)
     assert [s.model_copy(update={"arrival": None}) for s in rt2.streams] == [
         s.model_copy(update={"arrival": None}) for s in mixed.streams]
 
@@ -278,6 +283,7 @@ def test_direct_ingress_phases_still_compare_with_their_fcfs_baseline():
     gc.evaluate_targets(phases, "gpu_mixed")
     assert phases[0]["targets"]["gpu_mixed"]["batch_vs_fcfs"]["value"] == pytest.approx(0.8)
     assert gc.phase_name("baseline-fcfs-di") == "baseline-fcfs" and gc.is_baseline("baseline-priority-di")
+    assert gc.phase_name("baseline-fcfs-di-run2") == "baseline-fcfs" and gc.phase_name("lanes-run12") == "lanes"
     assert not gc.is_baseline("gpu-lanes-mps-priority-cap85-mps-di")
 
 
@@ -460,9 +466,34 @@ def test_campaign_runs_two_configs_and_returns_at_most_seven_flat_files(fake_hos
     assert by_label["lanes-tuned"]["targets"]["gpu_mixed"]["batch_vs_fcfs"]["value"] is not None
     assert by_label["lanes-tuned"]["lanes"]["cold"]["peak_kv_usage"] == 0.6
     assert "Ratios: lanes-tuned ÷ baseline-fcfs" in (out / "report.md").read_text()
+    assert (out / "report.md").read_text().count("Ratios: lanes-tuned ÷ baseline-fcfs") == 1
     with tarfile.open(out / "campaign.tar.gz") as tar:
         names = tar.getnames()
     assert "campaign/lanes-tuned/gpu_mixed/report.json" in names and "campaign/combined/summary.md" in names
+
+
+def test_a_phase_run_again_in_one_campaign_keeps_the_first_run(fake_host):
+    assert _run(fake_host, "baseline-fcfs").returncode == 0
+    done = _run(fake_host, "baseline-fcfs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    campaign = Path(fake_host["CAMPAIGN_DIR"])
+    for label in ("baseline-fcfs", "baseline-fcfs-run2"):
+        assert json.loads((campaign / label / "phase.json").read_text())["label"] == label
+        assert (campaign / label / "gpu_mixed" / "report.json").exists()
+    summary = json.loads((Path(fake_host["OUT"]) / "summary.json").read_text())
+    assert {"baseline-fcfs", "baseline-fcfs-run2"} <= {p["label"] for p in summary["phases"]}
+
+
+def test_every_scenarios_report_comes_back_in_the_one_report_file(fake_host):
+    scenarios = Path(fake_host["SCENARIO_DIR"])
+    (scenarios / "gpu_other.yaml").write_text(yaml.safe_dump({**SMALL_SCENARIO, "name": "gpu_other", "seed": 2}))
+    done = _run({**fake_host, "SCENARIOS": "gpu_other gpu_mixed"}, "baseline-fcfs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = Path(fake_host["OUT"])
+    report = (out / "report.md").read_text()
+    combined = Path(fake_host["CAMPAIGN_DIR"]) / "combined"
+    mixed, other = ((combined / name / "report.md").read_text() for name in ("gpu_mixed", "gpu_other"))
+    assert report.index(mixed) < report.index(other) and len(list(out.iterdir())) <= 8
 
 
 def test_phases_that_do_not_fit_the_call_are_deferred(fake_host):
