@@ -287,6 +287,13 @@ def test_direct_ingress_phases_still_compare_with_their_fcfs_baseline():
     assert not gc.is_baseline("gpu-lanes-mps-priority-cap85-mps-di")
 
 
+def test_the_batch_ratio_is_against_the_mean_of_the_campaigns_fcfs_runs():
+    phases = [_phase("lanes", 80, 40, 3000), _phase("baseline-fcfs", 30_000, 28_000, 3400),
+              _phase("baseline-fcfs-run2", 30_000, 28_000, 2600)]
+    gc.evaluate_targets(phases, "gpu_mixed")
+    assert phases[0]["targets"]["gpu_mixed"]["batch_vs_fcfs"]["value"] == pytest.approx(1.0)
+
+
 def test_targets_unknown_without_a_baseline():
     phases = [_phase("lanes-tuned", 80, 40, 3300)]
     gc.evaluate_targets(phases, "gpu_mixed")
