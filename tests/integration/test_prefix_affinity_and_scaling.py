@@ -157,9 +157,16 @@ def test_an_evicted_prefix_leaves_the_index(scaling_app, served_model):
     assert response.status_code == 200
     holder = response.headers["x-llm-lanes-replica"]
     assert wait_until(lambda: holders(url, victim).get(holder, 0) >= PREFIX_TOKENS, timeout_s=10)
-    # Fill both replicas' 6144-token caches several times over with other prompts: the victim's blocks are reused.
-    for seed in range(600, 616):
-        assert complete(url, served_model, token_prompt(seed, 1500)).status_code == 200
+    # Fill the holder's 6144-token cache with other prompts until its engine has prefilled 8 of them (12,000 tokens):
+    # the victim's blocks are reused. Counted by the replica that answered: the load-based routing of prompts that
+    # share nothing picks either replica, and a fixed number of them could all go to the other one.
+    filled, seed = 0, 600
+    while filled < 8:
+        assert seed < 700, f"the holder answered {filled} of {seed - 600} filler prompts"
+        response = complete(url, served_model, token_prompt(seed, 1500))
+        assert response.status_code == 200
+        filled += response.headers["x-llm-lanes-replica"] == holder
+        seed += 1
     assert wait_until(lambda: holders(url, victim).get(holder, 0) < PREFIX_TOKENS, timeout_s=15), holders(url, victim)
 
     def removed_blocks() -> dict[str, int]:
