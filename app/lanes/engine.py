@@ -16,7 +16,7 @@ from typing import Any
 
 from app.config import AppConfig, EngineSettings
 from app.lanes.cpu_priority import parse_cpu_list, pin_process, renice_process_tree
-from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneRequestInvalid
+from app.lanes.types import EngineStats, LaneChunk, LaneReplicaLost, LaneRequest, LaneRequestInvalid
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +278,12 @@ class VllmEngine:
                     output=output if with_output else None,
                 )
         except Exception as error:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(error, EngineDeadError):
+                # The engine's processes are gone (killed with the replica, or crashed): the request is lost with
+                # them, as with a lost replica, and the Router goes on elsewhere from the tokens it has.
+                raise LaneReplicaLost(f"the {self.lane} lane's engine died: {error}") from error
             # Only a refusal before the first output is the request's fault; anything later is the engine's.
             invalid = None if produced else request_invalid(error)
             if invalid is None:

@@ -236,7 +236,12 @@ class LaneReplica:
                 self.inflight_by_class[name] -= 1
                 # Cancelled (client gone, deadline) or failed: make sure the engine drops the sequence.
                 self.aborted_by_class[name] += 1
-                await asyncio.shield(self.engine.abort(request.request_id))
+                try:
+                    await asyncio.shield(self.engine.abort(request.request_id))
+                except Exception as error:
+                    # An engine that died cannot abort (the sequence went with it); the request's own error, not
+                    # this one, is what the Router must see.
+                    logger.warning("could not abort %s in the engine: %r", request.request_id, error)
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -112,6 +112,10 @@ class ServeLaneStream:
             # Directly, or as the cause of a RayTaskError (an error that crossed another actor first).
             if isinstance(error, RayActorError) or isinstance(getattr(error, "cause", None), RayActorError):
                 raise LaneReplicaLost(f"the lane replica is gone: {type(error).__name__}") from error
+            # The replica outlived its engine for a moment and said so (app/lanes/engine.py).
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, LaneReplicaLost) and not isinstance(error, LaneReplicaLost):
+                raise LaneReplicaLost(str(cause)) from error
             raise
 
     def cancel(self) -> None:

@@ -136,6 +136,12 @@ async def test_serve_lane_stream_turns_ray_actor_errors_into_lane_replica_lost()
     wrapped = RayTaskError("generate", "traceback", ActorDiedError())
     with pytest.raises(LaneReplicaLost):
         await ServeLaneStream(Generator(wrapped)).__anext__()
+    # A replica whose engine died under it says so (app/lanes/engine.py), as Ray's wrapper of its LaneReplicaLost.
+    engine_dead = RayTaskError("generate", "traceback", LaneReplicaLost("the hot lane's engine died"))
+    with pytest.raises(LaneReplicaLost):
+        await ServeLaneStream(Generator(engine_dead)).__anext__()
+    with pytest.raises(LaneReplicaLost):
+        await ServeLaneStream(Generator(engine_dead.as_instanceof_cause())).__anext__()
     with pytest.raises(ValueError):  # anything else passes through unchanged
         await ServeLaneStream(Generator(ValueError("bad"))).__anext__()
     with pytest.raises(StopAsyncIteration):
@@ -143,3 +149,34 @@ async def test_serve_lane_stream_turns_ray_actor_errors_into_lane_replica_lost()
     generator = Generator(ValueError())
     ServeLaneStream(generator).cancel()
     assert generator.cancelled
+
+
+async def test_an_engine_that_died_under_its_replica_is_a_lost_replica_mid_stream_too():
+    """kill -9 of a lane takes the replica and its engine processes; when the engine goes first, the replica raises
+    vLLM's EngineDeadError to the calls under way: the engine adapter reports it as LaneReplicaLost, so the Router
+    resumes the streams elsewhere instead of ending them with an error."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from app.classes import RequestClass
+    from app.config import load_app_config
+    from app.lanes.engine import VllmEngine
+    from app.lanes.types import LaneRequest, SamplingOptions
+    from tests.fakes import cpu_args
+
+    class DyingAsyncLLM:
+        async def generate(self, prompt, params, request_id, priority=0):
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], text="a", finish_reason=None)],
+                                  num_cached_tokens=0, finished=False)
+            raise EngineDeadError()
+
+    cfg = load_app_config(cpu_args())
+    engine = VllmEngine(cfg, cfg.hot_lane.engine, "hot", "r1")
+    engine._engine = DyingAsyncLLM()
+    request = LaneRequest("r", [1, 2], SamplingOptions(max_tokens=4), RequestClass.INTERACTIVE, 10)
+    chunks = []
+    with pytest.raises(LaneReplicaLost, match="engine died"):
+        async for chunk in engine.generate(request):
+            chunks.append(chunk)
+    assert [c.text for c in chunks] == ["a"]
