@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from load_tests.report import _num
+
 SCENARIOS = ("storm-naive", "storm-polite", "kills")
 KILLS = "HotLane,ColdLane,Router"
 
@@ -97,14 +99,6 @@ def kill_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _num(value: Any, digits: int = 0) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
 def _failures(failures: dict[str, dict[str, int]]) -> str:
     shown = [f"{cls} {key}: {n}" for cls, errors in failures.items() for key, n in sorted(errors.items())]
     return ", ".join(shown) or "none"
@@ -122,12 +116,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             share = row["hot_running_while_held_share"]
             cpu = ", ".join(f"{u['on_cpu_per_s']:.2f} / {u['runqueue_wait_per_s']:.2f}"
                             for u in row.get("client_cpu") or [] if u) or "–"
-            lines.append(f"| {row['scenario']} | {_num(row['interactive_ttft_p50_ms'])} / "
-                         f"{_num(row['interactive_ttft_p99_ms'])} | {_num(row.get('interactive_tpot_p50_ms'), 1)} / "
-                         f"{_num(row.get('interactive_tpot_p99_ms'), 1)} | {_num(row['interactive_admitted'])} | "
+            lines.append(f"| {row['scenario']} | {_num(row['interactive_ttft_p50_ms'], 0)} / "
+                         f"{_num(row['interactive_ttft_p99_ms'], 0)} | {_num(row.get('interactive_tpot_p50_ms'), 1)} / "
+                         f"{_num(row.get('interactive_tpot_p99_ms'), 1)} | {_num(row['interactive_admitted'], 0)} | "
                          f"{'–' if share is None else f'{share * 100:.0f} %'} of "
                          f"{row['samples_router_held_interactive']} | {_num(row['refusals_per_s'], 1)} | "
-                         f"{_num(row['server_errors_5xx'])} | {_failures(row['failures'])} | {cpu} |")
+                         f"{_num(row['server_errors_5xx'], 0)} | {_failures(row['failures'])} | {cpu} |")
         autogroup = {row["autogroup"] for row in storms}
         lines += ["", "The kernel's autogroup scheduling: " + ", ".join(
             "on" if a else ("off" if a is False else "unknown") for a in autogroup) + " (load_tests/README.md).", ""]
@@ -135,11 +129,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["| kill | interactive sent until the replacement ran | answered | TTFT p50 / p99 (ms) | replacement "
                   "RUNNING (s) | streams under way: finished | 5xx | failures |", "|---|---|---|---|---|---|---|---|"]
         for row in kills:
-            lines.append(f"| {row['scenario']} | {_num(row['interactive_sent_while_down'])} | "
-                         f"{_num(row['interactive_answered_while_down'])} | {_num(row['interactive_ttft_p50_ms'])} / "
-                         f"{_num(row['interactive_ttft_p99_ms'])} | {_num(row['replacement_running_s'], 1)} | "
-                         f"{_num(row['streams_under_way_finished'])} of {_num(row['streams_under_way'])} | "
-                         f"{_num(row['server_errors_5xx'])} | {_failures(row['failures'])} |")
+            lines.append(f"| {row['scenario']} | {_num(row['interactive_sent_while_down'], 0)} | "
+                         f"{_num(row['interactive_answered_while_down'], 0)} | "
+                         f"{_num(row['interactive_ttft_p50_ms'], 0)} / {_num(row['interactive_ttft_p99_ms'], 0)} | "
+                         f"{_num(row['replacement_running_s'], 1)} | "
+                         f"{_num(row['streams_under_way_finished'], 0)} of {_num(row['streams_under_way'], 0)} | "
+                         f"{_num(row['server_errors_5xx'], 0)} | {_failures(row['failures'])} |")
         lines.append("")
     lines += ["Each scenario's own report: " + ", ".join(f"`{name}/report.md`" for name in report["scenarios"]), ""]
     return "\n".join(lines)
