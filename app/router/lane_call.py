@@ -18,6 +18,7 @@ from app.router import openai_api as api
 from app.router.auth import OPEN_PRINCIPAL, Principal
 from app.router.control import TrafficControl
 from app.router.rate_limits import NO_CHARGE, Charge
+from app.router.read_ahead import ReadAhead
 from app.router.endpoints import Endpoint
 from app.router.record import CLIENT_CLOSED_STATUS, RequestRecord
 from app.router.slot_waiters import SlotWaitAbandoned
@@ -129,10 +130,9 @@ class LaneCall:
         self._prompt_ids = context.lane_request.prompt_token_ids
         self._call_ids: list[int] = []
         self._resumed = 0
-        # A streamed answer holding a hot slot is read from its lane ahead of the client (`_read_ahead`): the slot is
-        # the engine's, and the engine is done at the lane's last chunk, however slowly the client reads.
-        self._ahead: asyncio.Queue | None = None
-        self._ahead_task: asyncio.Task | None = None
+        # A streamed answer holding a hot slot is read from its lane ahead of the client: the slot is the engine's,
+        # and the engine is done at the lane's last chunk, however slowly the client reads (app/router/read_ahead.py).
+        self._ahead: ReadAhead | None = None
 
     @property
     def request_class(self) -> RequestClass:
@@ -163,34 +163,6 @@ class LaneCall:
             raise error
         return chunk
 
-    def _start_read_ahead(self) -> None:
-        """Read the rest of the current lane call into a queue, freeing the hot slot at its last chunk (the engine's
-        sequence is done then), while the client is still being written the answer: under load the Router and the
-        proxy write slower than the engine generates, and a slot held until the client's last byte leaves the engine
-        idle while interactive requests wait for a slot."""
-        queue: asyncio.Queue = asyncio.Queue()
-        stream = self.stream
-
-        async def read_ahead() -> None:
-            try:
-                while True:
-                    chunk = await anext(stream)
-                    queue.put_nowait((chunk, None))
-                    if chunk.finish_reason is not None:
-                        self._release_slot(record_hold=True)
-                        return
-            except BaseException as error:  # delivered to the reader, in order, as the direct read would raise it
-                queue.put_nowait((None, error))
-
-        self._ahead = queue
-        self._ahead_task = asyncio.ensure_future(read_ahead())
-
-    def _stop_read_ahead(self) -> None:
-        if self._ahead_task is not None and not self._ahead_task.done():
-            self._ahead_task.cancel()
-        self._ahead_task = None
-        self._ahead = None
-
     # ---- start -----------------------------------------------------------------------------------------------------
 
     async def start(self, decision: RouteDecision) -> None:
@@ -220,7 +192,7 @@ class LaneCall:
             # The hot part of a decode handoff ended at its first chunk: its engine sequence is done.
             self._release_slot(record_hold=True)
         if self._slot is not None and self._slot[0] is self.control.hot_slots:
-            self._start_read_ahead()
+            self._ahead = ReadAhead(self.stream, lambda: self._release_slot(record_hold=True))
         self.context.record.first_chunk(streamed=self.context.lane_request.stream)
 
     async def _start_surviving_losses(self, decision: RouteDecision) -> LaneChunk:
@@ -373,7 +345,9 @@ class LaneCall:
             record.succeeded(self._output_tokens())
         finally:
             # Done, failed or abandoned by the client: cancelling the lane call aborts the engine request.
-            self._stop_read_ahead()
+            if self._ahead is not None:
+                self._ahead.stop()
+                self._ahead = None
             self.stream.cancel()
             self.context.charge.settle(self._output_tokens())
             # Abandoned mid-stream by the client: no outcome for the lane, and no E2E sample for the deadline P99.

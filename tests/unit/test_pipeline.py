@@ -344,7 +344,7 @@ async def test_a_client_that_leaves_mid_answer_stops_the_read_ahead_and_the_lane
     stream = h.lanes["hot"].running[0]
     await chunks.aclose()  # the client is gone before the engine is done
     await h.settle()
-    assert stream.cancelled and h.slots.in_flight == 0 and call._ahead_task is None
+    assert stream.cancelled and h.slots.in_flight == 0 and call._ahead is None
 
 
 async def test_the_router_keeps_its_recent_ttft_per_class_and_lane():
