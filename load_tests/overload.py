@@ -18,7 +18,8 @@ the app reports it, `router.hot_slots`).
 
 `python -m load_tests.overload rebuild OUT` recomputes a saved report from its report.json (records, windows,
 samples). A refused burst stream waits the refusal's Retry-After (1 s without one) before its next request, as the
-OpenAI SDK does before a retry; `--no-wait-on-refusal` resends at once.
+OpenAI SDK does before a retry; `--no-wait-on-refusal` sends the next request at once; `--resend-refused-after S`
+sends the refused request again, the same, S seconds later whatever its Retry-After (a naive retry loop).
 
 With `--serve-config` alone the app is started (`serve run` of a derived copy of the config: `--set` overrides on the
 app's args, the batch store moved under `--out`), measured and stopped; with `--url` too, the app already running
@@ -196,13 +197,14 @@ def refusal_wait_s(record: RequestRecord, default_s: float = REFUSAL_WAIT_DEFAUL
     return min(REFUSAL_WAIT_MAX_S, max(0.0, delay)) if delay is not None else default_s
 
 
-async def run_closed_loop(scenario: Any, base_url: str, wait_on_refusal: bool = True) -> tuple[list[RequestRecord],
-                                                                                             float, float]:
+async def run_closed_loop(scenario: Any, base_url: str, wait_on_refusal: bool = True,
+                          resend_refused_after_s: float | None = None) -> tuple[list[RequestRecord], float, float]:
     """Every stream of `scenario` (all closed loop) for its duration: (records, unix start, wall seconds).
 
     Unlike load_tests.workload's closed loop, a stream whose request was refused waits the answer's Retry-After
     before its next request (as the OpenAI SDK does before a retry), unless `wait_on_refusal` is off: streams then
-    resend at once and the refusals themselves become load."""
+    send the next one at once and the refusals themselves become load. With `resend_refused_after_s`, a refused (429)
+    request is sent again, the same body, that many seconds later whatever its Retry-After: a naive retry loop."""
     import httpx
 
     from load_tests.client import PromptFactory, send
@@ -225,12 +227,18 @@ async def run_closed_loop(scenario: Any, base_url: str, wait_on_refusal: bool = 
 
             async def worker() -> None:
                 nonlocal issued
+                index = None
                 while left() > 0:
-                    index = issued
-                    issued += 1
+                    if index is None:
+                        index = issued
+                        issued += 1
                     record = await send(pool.next(), factory.request(stream, index), run_start,
                                         scenario.tally_headers, scenario.request_timeout_s)
                     records.append(record)
+                    if resend_refused_after_s is not None and record.status == 429:
+                        await asyncio.sleep(max(0.0, min(resend_refused_after_s, left())))
+                        continue  # the same request again
+                    index = None
                     wait = refusal_wait_s(record) if wait_on_refusal else None
                     if wait and left() > 0:
                         await asyncio.sleep(min(wait, left()))
@@ -241,7 +249,8 @@ async def run_closed_loop(scenario: Any, base_url: str, wait_on_refusal: bool = 
         return records, start_unix, time.perf_counter() - run_start
 
 
-async def drive(scenario_doc: dict[str, Any], url: str, wait_on_refusal: bool = True) -> dict[str, Any]:
+async def drive(scenario_doc: dict[str, Any], url: str, wait_on_refusal: bool = True,
+                resend_refused_after_s: float | None = None) -> dict[str, Any]:
     """Run one scenario; {"start_unix": when its run began, "wall_s", "records": [record JSON]}. Closed-loop
     scenarios run in run_closed_loop, others in load_tests.workload."""
     from load_tests.scenario import parse_scenario
@@ -252,7 +261,7 @@ async def drive(scenario_doc: dict[str, Any], url: str, wait_on_refusal: bool = 
     scenario = parse_scenario(scenario_doc)
     before, began = host.sample(), time.perf_counter()
     if all(stream.arrival.type == "closed" for stream in scenario.streams):
-        records, start_unix, wall_s = await run_closed_loop(scenario, url, wait_on_refusal)
+        records, start_unix, wall_s = await run_closed_loop(scenario, url, wait_on_refusal, resend_refused_after_s)
     else:
         records, wall_s = await run_scenario(scenario, url)
         start_unix = time.time() - wall_s
@@ -262,18 +271,19 @@ async def drive(scenario_doc: dict[str, Any], url: str, wait_on_refusal: bool = 
 
 
 def worker_main(argv: list[str]) -> int:
-    """`python -m load_tests.overload worker SCENARIO.json URL OUT.json [--no-wait-on-refusal]`: one client
-    process."""
+    """`python -m load_tests.overload worker SCENARIO.json URL OUT.json [--no-wait-on-refusal]
+    [--resend-refused-after=S]`: one client process."""
     wait_on_refusal = "--no-wait-on-refusal" not in argv
-    scenario_path, url, out_path = [a for a in argv if a != "--no-wait-on-refusal"]
+    resend = [float(a.split("=", 1)[1]) for a in argv if a.startswith("--resend-refused-after=")]
+    scenario_path, url, out_path = [a for a in argv if not a.startswith("--")]
     scenario_doc = json.loads(Path(scenario_path).read_text(encoding="utf-8"))
-    result = asyncio.run(drive(scenario_doc, url, wait_on_refusal))
+    result = asyncio.run(drive(scenario_doc, url, wait_on_refusal, resend[0] if resend else None))
     Path(out_path).write_text(json.dumps(result), encoding="utf-8")
     return 0
 
 
 def run_clients(scenarios: list[dict[str, Any]], url: str, work_dir: Path, phase: str,
-                wait_on_refusal: bool = True) -> list[dict[str, Any]]:
+                wait_on_refusal: bool = True, resend_refused_after_s: float | None = None) -> list[dict[str, Any]]:
     """Each scenario in its own client process, all at once; their results in order."""
     work_dir.mkdir(parents=True, exist_ok=True)
     processes = []
@@ -283,7 +293,9 @@ def run_clients(scenarios: list[dict[str, Any]], url: str, work_dir: Path, phase
         scenario_path.write_text(json.dumps(scenario), encoding="utf-8")
         log = open(work_dir / f"{phase}-client{i}.log", "wb")
         process = subprocess.Popen([sys.executable, "-m", "load_tests.overload", "worker", str(scenario_path), url,
-                                    str(out_path)] + ([] if wait_on_refusal else ["--no-wait-on-refusal"]),
+                                    str(out_path)] + ([] if wait_on_refusal else ["--no-wait-on-refusal"])
+                                   + ([] if resend_refused_after_s is None
+                                      else [f"--resend-refused-after={resend_refused_after_s}"]),
                                    stdout=log, stderr=subprocess.STDOUT)
         processes.append((process, out_path, log))
     results = []
@@ -673,7 +685,9 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"burst {settings['interactive']} interactive + {settings['flex']} flex closed-loop streams for "
               f"{settings['burst_s']:g} s from {settings['clients']} client process(es); {settings['max_tokens']} "
               f"output tokens per request; stats every {settings['sample_interval_s']:g} s; refused streams "
-              + ("wait the Retry-After before their next request." if settings.get("wait_on_refusal")
+              + (f"send the refused request again, the same, {settings['resend_refused_after_s']:g} s later "
+                 "whatever its Retry-After." if settings.get("resend_refused_after_s") is not None
+                 else "wait the Retry-After before their next request." if settings.get("wait_on_refusal")
                  else "send their next request at once."), ""]
     for phase, usages in (settings.get("generators") or {}).items():
         shown = [f"{u['on_cpu_per_s']:.2f} / {u['runqueue_wait_per_s']:.2f}" for u in usages if u]
@@ -761,6 +775,7 @@ class Settings:
     request_timeout_s: float
     seed: int
     wait_on_refusal: bool = True
+    resend_refused_after_s: float | None = None
     overrides: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -771,7 +786,8 @@ class Settings:
                 "light_s": self.light_s, "quiet_s": self.quiet_s, "max_tokens": self.max_tokens,
                 "prompt_tokens": self.prompt_tokens, "sample_interval_s": self.sample_interval_s,
                 "request_timeout_s": self.request_timeout_s, "seed": self.seed,
-                "wait_on_refusal": self.wait_on_refusal, "overrides": self.overrides,
+                "wait_on_refusal": self.wait_on_refusal, "resend_refused_after_s": self.resend_refused_after_s,
+                "overrides": self.overrides,
                 "autogroup": host.autogroup_enabled()}
 
 
@@ -810,7 +826,7 @@ def measure(settings: Settings, limits: Limits, model: str) -> dict[str, Any]:
         results = run_clients(burst_scenarios(model, settings.interactive, settings.flex, settings.clients,
                                               settings.burst_s, settings.max_tokens, settings.prompt_tokens,
                                               settings.seed, settings.request_timeout_s),
-                              settings.url, work, "burst", settings.wait_on_refusal)
+                              settings.url, work, "burst", settings.wait_on_refusal, settings.resend_refused_after_s)
         phase_records["burst"] = records_from(results, origin)
         generators["burst"] = [r.get("generator") for r in results]
         burst_start = min(r["start_unix"] for r in results) - origin
@@ -890,6 +906,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wait-on-refusal", action="store_true",
                         help="burst streams send their next request at once after a refusal (default: they wait "
                              "its Retry-After, 1 s without one)")
+    parser.add_argument("--resend-refused-after", type=float, default=None, metavar="S",
+                        help="burst streams send a refused request again, the same, S seconds later whatever its "
+                             "Retry-After (a naive retry loop)")
     args = parser.parse_args(argv)
     if args.clients < 1:
         parser.error("--clients must be >= 1")
@@ -915,7 +934,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_s=args.quiet_s, max_tokens=args.max_tokens,
         prompt_tokens={"dist": "uniform", "min": args.prompt_tokens[0], "max": args.prompt_tokens[1]},
         sample_interval_s=args.sample_interval, request_timeout_s=args.request_timeout, seed=args.seed,
-        wait_on_refusal=not args.no_wait_on_refusal, overrides=args.overrides,
+        wait_on_refusal=not args.no_wait_on_refusal, resend_refused_after_s=args.resend_refused_after,
+        overrides=args.overrides,
     )
     if args.url:
         report = measure(settings, limits, model)

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import yaml
 
-from app.router.arrival_stamp import PROXY_ENV
+from app.router.proxy_middlewares import PROXY_ENV
 from load_tests.gpu_campaign import lanes_answering
 
 READY_POLL_INTERVAL_S = 2.0
@@ -112,7 +112,7 @@ class ServedApp:
         self.headers = headers or {}
         # How long each of SIGINT and SIGTERM gets before the next, stronger signal.
         self.stop_grace_s = stop_grace_s
-        # The proxy stamps each request's arrival (app/router/arrival_stamp.py), as app.tools.serve_run has it.
+        # The proxy runs the app's middlewares (app/router/proxy_middlewares.py), as app.tools.serve_run has it.
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **PROXY_ENV, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self._log = None

@@ -5,9 +5,11 @@ kill -9 of each lane replica and of one of two Router replicas under load.
 
 Scenarios, each on an app of its own started and stopped by the tool that drives it (`--scenarios` picks some):
 - `storm-naive`: `load_tests.overload` (light traffic, a quiet spell, then `--interactive` interactive and `--flex`
-  flex streaming clients for `--burst-s` s from two client processes), each refused client sending its next request
-  0.2 s after the refusal without waiting for its Retry-After, as retry loops do;
+  flex streaming clients for `--burst-s` s from two client processes), each refused client sending the same request
+  again 0.2 s after the refusal without waiting for its Retry-After, as retry loops do;
 - `storm-polite`: the same, each refused client waiting the Retry-After;
+- `storm-flood`: the same, each refused client sending a new request at once (no retry of the refused one, so the
+  proxy's replay of refusals, app/router/refusal_replay.py, never answers it);
 - `kills`: `load_tests.chaos` on the config with two Router replicas, `--chaos-interactive` interactive and
   `--chaos-flex` flex streams and a batch, killing the HotLane, the ColdLane and then one Router replica in turn.
 
@@ -31,7 +33,9 @@ from typing import Any
 
 from load_tests.report import _num
 
-SCENARIOS = ("storm-naive", "storm-polite", "kills")
+SCENARIOS = ("storm-naive", "storm-polite", "storm-flood", "kills")
+NAIVE_RETRY_S = 0.2  # a naive retry loop's pause after a 429
+REPLAYED_HEADER = "x-llm-lanes-replayed"
 KILLS = "HotLane,ColdLane,Router"
 
 
@@ -43,7 +47,8 @@ def scenario_command(name: str, args: argparse.Namespace, out: Path) -> list[str
         command = [*python, "load_tests.overload", "--serve-config", args.serve_config, "--out", str(out),
                    "--interactive", str(args.interactive), "--flex", str(args.flex), "--burst-s", str(args.burst_s),
                    "--sample-interval", str(args.sample_interval), *sets]
-        return command + (["--no-wait-on-refusal"] if name == "storm-naive" else [])
+        return command + {"storm-naive": ["--resend-refused-after", str(NAIVE_RETRY_S)],
+                          "storm-flood": ["--no-wait-on-refusal"]}.get(name, [])
     return [*python, "load_tests.chaos", "--serve-config", args.serve_config, "--out", str(out),
             "--interactive", str(args.chaos_interactive), "--flex", str(args.chaos_flex),
             "--batch-lines", str(args.batch_lines), "--kill", KILLS, "--set", "router.num_replicas=2", *sets]
@@ -58,6 +63,8 @@ def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     held = head.get("samples_interactive_held") or 0
     idle = head.get("samples_held_while_hot_running_none") or 0
     refusals = sum(c.get("rejected_429") or 0 for c in classes.values())
+    replayed = sum(1 for record in (report.get("records") or {}).get("burst") or []
+                   if record.get("status") == 429 and (record.get("headers") or {}).get(REPLAYED_HEADER))
     failures = {("flex" if cls == "batch" else cls): dict(c.get("other_errors") or {}) for cls, c in classes.items()}
     return {
         "scenario": name,
@@ -69,6 +76,7 @@ def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "samples_router_held_interactive": held,
         "hot_running_while_held_share": round((held - idle) / held, 3) if held else None,
         "refusals_per_s": round(refusals / window_s, 1) if window_s else None,
+        "refusals_replayed_share": round(replayed / refusals, 3) if refusals else None,
         "server_errors_5xx": head.get("server_errors_5xx"),
         "failures": failures,
         "client_cpu": (report["settings"].get("generators") or {}).get("burst"),
@@ -99,6 +107,10 @@ def kill_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _share(share: float | None) -> str:
+    return "–" if share is None else f"{share * 100:.0f} %"
+
+
 def _failures(failures: dict[str, dict[str, int]]) -> str:
     shown = [f"{cls} {key}: {n}" for cls, errors in failures.items() for key, n in sorted(errors.items())]
     return ", ".join(shown) or "none"
@@ -110,8 +122,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     kills = [row for row in report["rows"] if "refusals_per_s" not in row]
     if storms:
         lines += ["| scenario | admitted interactive TTFT p50 / p99 (ms) | their TPOT p50 / p99 (ms) | admitted | "
-                  "samples with interactive held by a Router: hot engines running some | refusals/s | 5xx | other "
-                  "failures | client processes on a CPU / waiting (s per s) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "samples with interactive held by a Router: hot engines running some | refusals/s (replayed by the "
+                  "proxy) | 5xx | other failures | client processes on a CPU / waiting (s per s) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for row in storms:
             share = row["hot_running_while_held_share"]
             cpu = ", ".join(f"{u['on_cpu_per_s']:.2f} / {u['runqueue_wait_per_s']:.2f}"
@@ -120,7 +133,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_num(row['interactive_ttft_p99_ms'], 0)} | {_num(row.get('interactive_tpot_p50_ms'), 1)} / "
                          f"{_num(row.get('interactive_tpot_p99_ms'), 1)} | {_num(row['interactive_admitted'], 0)} | "
                          f"{'–' if share is None else f'{share * 100:.0f} %'} of "
-                         f"{row['samples_router_held_interactive']} | {_num(row['refusals_per_s'], 1)} | "
+                         f"{row['samples_router_held_interactive']} | {_num(row['refusals_per_s'], 1)} "
+                         f"({_share(row.get('refusals_replayed_share'))}) | "
                          f"{_num(row['server_errors_5xx'], 0)} | {_failures(row['failures'])} | {cpu} |")
         autogroup = {row["autogroup"] for row in storms}
         lines += ["", "The kernel's autogroup scheduling: " + ", ".join(

@@ -6,12 +6,9 @@ the Router asks), and on a small, overloaded host that takes up to seconds. The 
 against `admission.interactive_ttft_slo_s` counted from when the request arrived; counted from the Router, the
 proxy's share is invisible and the client's TTFT runs past the target while the Router's own figures meet it.
 
-Serve runs an operator's ASGI middlewares in its HTTP proxy (and in the Router replicas' own servers under direct
-ingress): `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` names a function returning them, read from the environment of
-`ray start` / `serve run` (the proxy is Ray's actor, not the app's, so the application's runtime_env does not reach
-it). `proxy_middlewares` is that function: `ArrivalStamp` sets `x-llm-lanes-proxy-arrival` to the proxy's wall clock
-(a client's own value of the header is replaced). `app.tools.serve_run`, the test app, the load tests and the
-cluster manifests set the variable; without it the budget counts from the Router's arrival.
+`ArrivalStamp`, one of the proxy's middlewares (app/router/proxy_middlewares.py), sets `x-llm-lanes-proxy-arrival`
+to the proxy's wall clock (a client's own value of the header is replaced); without it the budget counts from the
+Router's arrival.
 
 A stamp only ever shortens its own request's budget, so a forged one harms only its sender; one from a clock far from
 the Router's (different nodes) is ignored: more than `PLAUSIBLE_WAIT_S` old, or ahead of the Router's clock (read
@@ -25,10 +22,6 @@ import time
 from typing import Any
 
 ARRIVAL_HEADER = "x-llm-lanes-proxy-arrival"
-CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK_IMPORT_PATH = "app.router.arrival_stamp:proxy_middlewares"
-# The environment a Ray cluster starts in for its proxies to stamp.
-PROXY_ENV = {CALLBACK_ENV: CALLBACK_IMPORT_PATH}
 # A longer wait than this is a clock disagreement between nodes, not a queue.
 PLAUSIBLE_WAIT_S = 120.0
 
@@ -47,13 +40,6 @@ class ArrivalStamp:
             headers.append((_HEADER_BYTES, repr(time.time()).encode()))
             scope = {**scope, "headers": headers}
         await self.app(scope, receive, send)
-
-
-def proxy_middlewares() -> list:
-    """What RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH returns to Serve: its proxy's extra middlewares."""
-    from starlette.middleware import Middleware
-
-    return [Middleware(ArrivalStamp)]
 
 
 def proxy_wait_s(stamp: str | None, now: float) -> float:

@@ -28,7 +28,7 @@ import sys
 import threading
 from pathlib import Path
 
-from app.router.arrival_stamp import PROXY_ENV
+from app.router.proxy_middlewares import PROXY_ENV
 
 # Time for serve.shutdown() plus Ray's own stop after the first signal: replicas drain for up to their
 # graceful_shutdown_timeout_s (default 20 s), the lanes then stop their engines.
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
                         help="seconds the graceful shutdown may take before it is forced (default %(default)s)")
     args = parser.parse_args(argv)
-    # Serve's HTTP proxy stamps each request's arrival: the Router's TTFT budget then counts the proxy's wait too.
+    # Serve's HTTP proxy runs the app's middlewares: the arrival stamp (the Router's TTFT budget then counts the
+    # proxy's wait too) and the replay of refusals to retries sent before their Retry-After.
     for name, value in PROXY_ENV.items():
         os.environ.setdefault(name, value)
     return Supervisor(serve_command(args.config), args.stop_timeout).run()

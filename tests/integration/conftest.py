@@ -29,7 +29,7 @@ import yaml
 
 from app.lanes.engine_reaper import descendants, kill_all, process_table
 from app.proto import convert
-from app.router import arrival_stamp
+from app.router import proxy_middlewares
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
@@ -223,7 +223,8 @@ class AppProcess:
         self.headers = headers or {}
         self.readme_command = readme_command
         self.bin_dir = Path(sys.executable).parent
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **arrival_stamp.PROXY_ENV}
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+                    **proxy_middlewares.PROXY_ENV}
         self.url = f"http://127.0.0.1:{HTTP_PORT}"
         self.process: subprocess.Popen | None = None
         self.pid = 0

@@ -251,6 +251,16 @@ def test_a_rate_limit_holds_across_both_router_replicas(url, stub, served_model)
     assert refusal.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(refusal.headers["Retry-After"]) <= 60
     assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
+    # The same request again before its Retry-After: the HTTP proxy answers the same refusal without a Router
+    # (app/router/refusal_replay.py); another key's request is its own.
+    first = next((answer for answer in (complete(url, served_model, KEY_LIMITED, max_tokens=1) for _ in range(5))
+                 if answer.status_code == 429), None)
+    assert first is not None, "five requests on an empty bucket were all admitted"
+    again = complete(url, served_model, KEY_LIMITED, max_tokens=1)
+    assert again.status_code == 429 and again.headers.get("x-llm-lanes-replayed") == "1", again.headers
+    assert again.json() == first.json() and 1 <= int(again.headers["retry-after"]) <= int(first.headers["retry-after"])
+    assert again.headers["x-ratelimit-remaining-requests"] == "0"
+    assert complete(url, served_model, KEY_B, max_tokens=1).status_code == 200
     # The bucket is empty now (it refills one request every 2 s): a gRPC request or two later, one is refused.
     for _ in range(3):
         try:

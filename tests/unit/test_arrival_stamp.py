@@ -2,7 +2,9 @@
 
 import asyncio
 
-from app.router.arrival_stamp import ARRIVAL_HEADER, PLAUSIBLE_WAIT_S, ArrivalStamp, proxy_middlewares, proxy_wait_s
+from app.router.arrival_stamp import ARRIVAL_HEADER, PLAUSIBLE_WAIT_S, ArrivalStamp, proxy_wait_s
+from app.router.proxy_middlewares import proxy_middlewares
+from app.router.refusal_replay import RefusalReplay
 
 
 def test_the_middleware_stamps_http_requests_and_replaces_a_clients_own_stamp():
@@ -22,11 +24,12 @@ def test_the_middleware_stamps_http_requests_and_replaces_a_clients_own_stamp():
     assert seen[1] == {"type": "lifespan"}
 
 
-def test_serve_gets_starlette_middlewares():
+def test_serve_gets_starlette_middlewares_with_the_refusal_replay_outermost():
     from starlette.middleware import Middleware
 
     middlewares = proxy_middlewares()
-    assert [type(m) for m in middlewares] == [Middleware] and middlewares[0].cls is ArrivalStamp
+    assert [type(m) for m in middlewares] == [Middleware, Middleware]
+    assert [m.cls for m in middlewares] == [ArrivalStamp, RefusalReplay]
 
 
 def test_the_wait_is_the_time_since_the_stamp_unless_the_stamp_is_missing_or_implausible():

@@ -358,6 +358,7 @@ async def test_closed_loop_streams_wait_out_refusals_against_the_fake_server():
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         waiting, _, wall_s = await run_closed_loop(parse_scenario(scenario_doc), url)
         hammering, _, _ = await run_closed_loop(parse_scenario(scenario_doc), url, wait_on_refusal=False)
+        retrying, _, _ = await run_closed_loop(parse_scenario(scenario_doc), url, resend_refused_after_s=0.05)
     finally:
         await runner.cleanup()
     refused = [r for r in waiting if r.request_class == "realtime"]
@@ -365,6 +366,9 @@ async def test_closed_loop_streams_wait_out_refusals_against_the_fake_server():
     assert len(refused) == 2 and all(r.status == 429 and r.retry_after == "7" for r in refused)
     assert wall_s < 5
     assert sum(1 for r in hammering if r.request_class == "realtime") > 2
+    # A naive retry loop sends the refused request again, the same one, without waiting for the Retry-After.
+    retried = [r for r in retrying if r.request_class == "realtime"]
+    assert len(retried) > 2 and {r.index for r in retried} == {0, 1}
     served = [r for r in waiting if r.request_class == "interactive"]
     assert len(served) > 2 and all(r.ok and r.output_tokens == 3 and r.headers["x-llm-lanes-lane"] == "hot"
                                    for r in served)
