@@ -10,6 +10,8 @@ Scenarios, each on an app of its own started and stopped by the tool that drives
 - `storm-polite`: the same, each refused client waiting the Retry-After;
 - `storm-flood`: the same, each refused client sending a new request at once (no retry of the refused one, so the
   proxy's replay of refusals, app/router/refusal_replay.py, never answers it);
+- `fuzz-under-load`: `load_tests.fuzz_load`, the fuzz corpus of tests/hostile_requests.py sent idle and again while
+  60 interactive streams fill the hot lane: no request that is a 4xx idle may be a 429 under load;
 - `kills`: `load_tests.chaos` on the config with two Router replicas, `--chaos-interactive` interactive and
   `--chaos-flex` flex streams and a batch, killing the HotLane, the ColdLane and then one Router replica in turn.
 
@@ -33,7 +35,7 @@ from typing import Any
 
 from load_tests.report import _num
 
-SCENARIOS = ("storm-naive", "storm-polite", "storm-flood", "kills")
+SCENARIOS = ("storm-naive", "storm-polite", "storm-flood", "fuzz-under-load", "kills")
 NAIVE_RETRY_S = 0.2  # a naive retry loop's pause after a 429
 REPLAYED_HEADER = "x-llm-lanes-replayed"
 KILLS = "HotLane,ColdLane,Router"
@@ -49,6 +51,8 @@ def scenario_command(name: str, args: argparse.Namespace, out: Path) -> list[str
                    "--sample-interval", str(args.sample_interval), *sets]
         return command + {"storm-naive": ["--resend-refused-after", str(NAIVE_RETRY_S)],
                           "storm-flood": ["--no-wait-on-refusal"]}.get(name, [])
+    if name == "fuzz-under-load":
+        return [*python, "load_tests.fuzz_load", "--serve-config", args.serve_config, "--out", str(out), *sets]
     return [*python, "load_tests.chaos", "--serve-config", args.serve_config, "--out", str(out),
             "--interactive", str(args.chaos_interactive), "--flex", str(args.chaos_flex),
             "--batch-lines", str(args.batch_lines), "--kill", KILLS, "--set", "router.num_replicas=2", *sets]
@@ -82,6 +86,15 @@ def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "client_cpu": (report["settings"].get("generators") or {}).get("burst"),
         "autogroup": report["settings"].get("autogroup"),
     }
+
+
+def fuzz_row(report: dict[str, Any]) -> dict[str, Any]:
+    """The fuzz corpus's figures from load_tests.fuzz_load's report."""
+    result = report["result"]
+    return {"scenario": "fuzz-under-load", "fuzz_requests": result["requests"],
+            "client_error_idle_429_loaded": result["client_error_idle_429_loaded"],
+            "ok_idle_429_loaded": result["ok_idle_429_loaded"], "other_changes": result["other_changes"],
+            "slots_full": report["slots_full_before"], "server_errors_5xx": result["server_errors"]["loaded"]}
 
 
 def kill_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -119,7 +132,8 @@ def _failures(failures: dict[str, dict[str, int]]) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Stress: `{report['serve_config']}`", ""]
     storms = [row for row in report["rows"] if "refusals_per_s" in row]
-    kills = [row for row in report["rows"] if "refusals_per_s" not in row]
+    fuzz = [row for row in report["rows"] if "fuzz_requests" in row]
+    kills = [row for row in report["rows"] if "replacement_running_s" in row]
     if storms:
         lines += ["| scenario | admitted interactive TTFT p50 / p99 (ms) | their TPOT p50 / p99 (ms) | admitted | "
                   "samples with interactive held by a Router: hot engines running some | refusals/s (replayed by the "
@@ -139,6 +153,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         autogroup = {row["autogroup"] for row in storms}
         lines += ["", "The kernel's autogroup scheduling: " + ", ".join(
             "on" if a else ("off" if a is False else "unknown") for a in autogroup) + " (load_tests/README.md).", ""]
+    for row in fuzz:
+        changes = ", ".join(f"{change}: {n}" for change, n in row["other_changes"].items()) or "none"
+        lines += ["| fuzz corpus | requests | a 4xx idle, 429 under load | a 200 idle, 429 under load | other "
+                  "changes | hot slots full as it began | 5xx or no answer under load |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| under load | {row['fuzz_requests']} | **{row['client_error_idle_429_loaded']}** | "
+                  f"{row['ok_idle_429_loaded']} | {changes} | {'yes' if row['slots_full'] else 'no'} | "
+                  f"{row['server_errors_5xx']} |", ""]
     if kills:
         lines += ["| kill | interactive sent until the replacement ran | answered | TTFT p50 / p99 (ms) | replacement "
                   "RUNNING (s) | streams under way: finished | 5xx | failures |", "|---|---|---|---|---|---|---|---|"]
@@ -162,7 +184,8 @@ def build_report(serve_config: str, out: Path, scenarios: list[str]) -> dict[str
             rows.append({"scenario": name, "missing": str(path)})
             continue
         report = json.loads(path.read_text(encoding="utf-8"))
-        rows.extend(kill_rows(report) if name == "kills" else [storm_row(name, report)])
+        rows.extend(kill_rows(report) if name == "kills" else [fuzz_row(report)] if name == "fuzz-under-load"
+                    else [storm_row(name, report)])
     return {"serve_config": serve_config, "scenarios": scenarios, "rows": [r for r in rows if "missing" not in r],
             "missing": [r for r in rows if "missing" in r]}
 

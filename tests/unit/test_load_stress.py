@@ -50,12 +50,27 @@ def test_the_report_has_a_row_per_storm_and_per_kill(tmp_path):
     assert "| kill -9 HotLane | 213 | 213 | 198 / 2852 | 41.9 | 4 of 4 | 1 | flex 503: 1 |" in markdown
 
 
+def test_the_fuzz_row_counts_what_was_a_4xx_idle_and_a_429_under_load(tmp_path):
+    from load_tests.fuzz_load import compare
+
+    result = compare([400, 422, 200, 200, 404, 413], [400, 429, 429, 200, 200, 503])
+    assert result["client_error_idle_429_loaded"] == 1 and result["ok_idle_429_loaded"] == 1
+    assert result["other_changes"] == {"404->200": 1, "413->503": 1} and result["server_errors"]["loaded"] == 1
+    (tmp_path / "fuzz-under-load").mkdir()
+    (tmp_path / "fuzz-under-load" / "report.json").write_text(json.dumps(
+        {"result": result, "slots_full_before": True, "slots_full_after": True}))
+    report = stress.build_report("c.yaml", tmp_path, ["fuzz-under-load"])
+    assert report["rows"][0]["client_error_idle_429_loaded"] == 1
+    assert "| under load | 6 | **1** | 1 | 404->200: 1, 413->503: 1 | yes | 1 |" in stress.render_markdown(report)
+
+
 def test_naive_clients_retry_without_waiting_for_retry_after_and_the_kills_run_with_two_routers():
     args = stress.argparse.Namespace(serve_config="c.yaml", overrides=["x=1"], interactive=160, flex=16, burst_s=40.0,
                                      sample_interval=1.0, chaos_interactive=4, chaos_flex=2, batch_lines=100)
     naive = stress.scenario_command("storm-naive", args, tmp := stress.Path("/o"))
     polite = stress.scenario_command("storm-polite", args, tmp)
     flood = stress.scenario_command("storm-flood", args, tmp)
+    assert "load_tests.fuzz_load" in stress.scenario_command("fuzz-under-load", args, tmp)
     kills = stress.scenario_command("kills", args, tmp)
     assert naive[naive.index("--resend-refused-after") + 1] == "0.2" and "--no-wait-on-refusal" not in naive
     assert "--no-wait-on-refusal" in flood and "--resend-refused-after" not in flood
