@@ -479,26 +479,22 @@ def test_campaign_runs_two_configs_and_returns_at_most_seven_flat_files(fake_hos
     assert "campaign/lanes-tuned/gpu_mixed/report.json" in names and "campaign/combined/summary.md" in names
 
 
-def test_a_phase_run_again_in_one_campaign_keeps_the_first_run(fake_host):
+def test_a_phase_run_again_keeps_the_first_run_and_every_scenarios_report_comes_back_in_the_one_report_file(
+        fake_host):
     assert _run(fake_host, "baseline-fcfs").returncode == 0
-    done = _run(fake_host, "baseline-fcfs")
-    assert done.returncode == 0, done.stderr[-3000:]
-    campaign = Path(fake_host["CAMPAIGN_DIR"])
-    for label in ("baseline-fcfs", "baseline-fcfs-run2"):
-        assert json.loads((campaign / label / "phase.json").read_text())["label"] == label
-        assert (campaign / label / "gpu_mixed" / "report.json").exists()
-    summary = json.loads((Path(fake_host["OUT"]) / "summary.json").read_text())
-    assert {"baseline-fcfs", "baseline-fcfs-run2"} <= {p["label"] for p in summary["phases"]}
-
-
-def test_every_scenarios_report_comes_back_in_the_one_report_file(fake_host):
     scenarios = Path(fake_host["SCENARIO_DIR"])
     (scenarios / "gpu_other.yaml").write_text(yaml.safe_dump({**SMALL_SCENARIO, "name": "gpu_other", "seed": 2}))
     done = _run({**fake_host, "SCENARIOS": "gpu_other gpu_mixed"}, "baseline-fcfs")
     assert done.returncode == 0, done.stderr[-3000:]
-    out = Path(fake_host["OUT"])
+    campaign, out = Path(fake_host["CAMPAIGN_DIR"]), Path(fake_host["OUT"])
+    for label in ("baseline-fcfs", "baseline-fcfs-run2"):
+        assert json.loads((campaign / label / "phase.json").read_text())["label"] == label
+        assert (campaign / label / "gpu_mixed" / "report.json").exists()
+    assert (campaign / "baseline-fcfs-run2" / "gpu_other" / "report.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"baseline-fcfs", "baseline-fcfs-run2"} <= {p["label"] for p in summary["phases"]}
     report = (out / "report.md").read_text()
-    combined = Path(fake_host["CAMPAIGN_DIR"]) / "combined"
+    combined = campaign / "combined"
     mixed, other = ((combined / name / "report.md").read_text() for name in ("gpu_mixed", "gpu_other"))
     assert report.index(mixed) < report.index(other) and len(list(out.iterdir())) <= 8
 
