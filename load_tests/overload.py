@@ -62,7 +62,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 LANE_HEADER = "x-llm-lanes-lane"
 DEGRADED_HEADER = "x-llm-lanes-degraded"
 HOT_SATURATED = "hot_saturated"
-TALLY_HEADERS = [LANE_HEADER, DEGRADED_HEADER]
+REPLAYED_HEADER = "x-llm-lanes-replayed"  # a 429 the HTTP proxy replayed to a retry (app/router/refusal_replay.py)
+TALLY_HEADERS = [LANE_HEADER, DEGRADED_HEADER, REPLAYED_HEADER]
 CLASSES = ("interactive", "batch")  # batch = flex streams
 PHASES = ("light", "quiet", "burst")
 STATS_TIMEOUT_S = 10.0

@@ -33,11 +33,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from load_tests.overload import REPLAYED_HEADER
 from load_tests.report import _num
 
 SCENARIOS = ("storm-naive", "storm-polite", "storm-flood", "fuzz-under-load", "kills")
 NAIVE_RETRY_S = 0.2  # a naive retry loop's pause after a 429
-REPLAYED_HEADER = "x-llm-lanes-replayed"
 KILLS = "HotLane,ColdLane,Router"
 
 

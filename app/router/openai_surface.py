@@ -375,6 +375,11 @@ class OpenAISurface:
                                        f"{chars // self.max_token_chars}: shorten it",
                                   param=endpoint.prompt_param, code="context_length_exceeded")
 
+    def serves_model(self, name: Any) -> bool:
+        """Whether a request naming model `name` reaches the served model (no name: it does); for another name vLLM's
+        code answers 404 model_not_found once it takes the request."""
+        return not name or (isinstance(name, str) and self.models.is_base_model(name))
+
     def check_sampling(self, endpoint: Endpoint, request, max_tokens: int) -> None:
         """Refuse (400, as vLLM's server does) what vLLM's serving code refuses of the request's sampling parameters,
         without rendering its prompt: for a request the load refuses before rendering (a 429), which must not be what

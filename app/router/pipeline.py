@@ -251,7 +251,8 @@ class RequestPipeline:
         """Raise the 429 that admission or the routing decision would give this request whatever its exact prompt,
         before vLLM's code renders and tokenizes it: under a retry storm refusals are most of the requests, and each
         must cost the Router almost nothing next to the streams it is writing. A request whose sampling parameters
-        vLLM refuses gets that 400 instead (the client's mistake, which no retry mends)."""
+        vLLM refuses gets that 400 instead, and one naming a model not served here its 404 (the client's mistake,
+        which no retry mends)."""
         if not isinstance(body, dict):
             return
         max_tokens = api.requested_max_tokens(body, self.cfg.router.default_max_tokens)
@@ -259,6 +260,8 @@ class RequestPipeline:
             request_class, api.prompt_tokens_bound(body, chat=endpoint.chat), max_tokens, principal.tenant)
         if refusal is None:
             return
+        if not self.surface.serves_model(getattr(request, "model", None)):
+            return  # vLLM's code answers its 404 model_not_found, which no retry mends either
         self.surface.check_sampling(endpoint, request, max_tokens)
         if isinstance(refusal, AdmissionResult):
             self.metrics.count_admission(decision="reject", reason=reason_label(refusal.reason),

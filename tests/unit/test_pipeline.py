@@ -235,6 +235,11 @@ async def test_a_full_queue_refuses_before_rendering_and_a_prompt_it_cannot_boun
     with pytest.raises(api.OpenAIError) as full:
         await pipeline.answer(COMPLETION, {"model": "tiny", "prompt": "hello", "max_tokens": 2})
     assert full.value.code == "queue_full" and not rendered
+    # A model not served here is its 404 under any load (vLLM's code says so once it takes the request).
+    with pytest.raises(api.OpenAIError) as unknown:
+        await pipeline.answer(COMPLETION, {"model": "gpt-4", "prompt": "hello", "max_tokens": 2})
+    assert unknown.value.status == 404 and len(rendered) == 1
+    rendered.clear()
     assert [tags for _, tags in metrics.of("llm_lanes_admission_decisions_total")] == [
         {"decision": "reject", "reason": "queue_full", "request_class": "interactive"}]
     # An image's tokens are not its URL's bytes: rendered, then refused by admission as before.
