@@ -17,6 +17,11 @@ Outputs in `--out`: report.json, report.md, samples.jsonl (every sample, one per
 report's RSS trend is the least-squares slope over the second half of the samples: a fresh engine's memory climbs for
 a while before it levels off, a leak keeps climbing. `python -m load_tests.soak rebuild OUT` recomputes a saved
 report from its report.json and samples.jsonl.
+
+`--memory-snapshots S` has every Router, lane and PrefixCache replica trace its Python heap and write a tracemalloc
+snapshot every S seconds into OUT/memory (`observability.memory_snapshots`, app/observability/memory.py); the report
+then gives, per replica process, its traced memory at the start sample and at the end with the trend over the second
+half, and the source lines whose memory grew most between the first snapshot after the start sample and the last.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from load_tests.chaos import (LANES, MixedLoad, _log, batch_exactness, batch_out
                               run_with_app, running, serve_replicas, submit_batch)
 from load_tests import chaos
 from load_tests.gpu_campaign import lane_entries
+
+MEMORY_DIR = "memory"  # under --out: the replicas' tracemalloc snapshots
+MEMORY_TOP_LINES = 8
 
 # Requests still inside a lane replica, as its stats report them.
 LEAK_FIELDS = ("running", "waiting")
@@ -124,14 +132,41 @@ def leaked_requests(stats: Any) -> dict[str, Any]:
     return {"total": total, "replicas": replicas}
 
 
+def traced_growth(directory: Path, start_unix: float, top: int = MEMORY_TOP_LINES) -> list[dict[str, Any]]:
+    """Per replica process that wrote tracemalloc snapshots into `directory`: its traced memory at the first snapshot
+    from `start_unix` on and at its last, the trend of the traced memory over the second half of its snapshots
+    (MiB/h), and the `top` lines that grew most between those two snapshots."""
+    from app.observability.memory import growth as line_growth
+    from app.observability.memory import read_index
+
+    by_process: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for entry in read_index(directory):
+        by_process.setdefault((entry["component"], entry["pid"]), []).append(entry)
+    rows = []
+    for (component, pid), entries in sorted(by_process.items()):
+        entries.sort(key=lambda e: e["n"])
+        after_start = [e for e in entries if e["t_unix"] >= start_unix] or entries[-1:]
+        first, last = after_start[0], entries[-1]
+        # The traced total read as one process's RSS: the same least-squares trend over the second half.
+        as_samples = [{"t_unix": e["t_unix"], "processes": {"p": {"pid": pid, "rss_mib": e["traced_mib"]}}}
+                      for e in entries]
+        trend = rss_slope_mib_per_h(as_samples, "p")
+        rows.append({"component": component, "pid": pid, "snapshots": len(entries),
+                     "traced_mib_first": first["traced_mib"], "traced_mib_last": last["traced_mib"],
+                     "traced_slope_mib_per_h": trend,
+                     "lines": (line_growth(directory / first["path"], directory / last["path"], top)
+                               if first is not last else [])})
+    return rows
+
+
 def build_report(settings: dict[str, Any], start: dict[str, Any], end: dict[str, Any], leaks: dict[str, Any],
                  records: Sequence[Any], batches: list[dict[str, Any]],
-                 samples: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+                 samples: Sequence[dict[str, Any]] = (), memory: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     rows = growth(start, end)
     for role, row in rows.items():
         row["rss_slope_mib_per_h"] = rss_slope_mib_per_h(samples, role)
     return {"settings": settings, "start": start, "end": end, "growth": rows, "leaked": leaks,
-            "classes": class_summary(records), "batches": batches,
+            "classes": class_summary(records), "batches": batches, "memory": memory or [],
             "records": [r.to_json() for r in records]}
 
 
@@ -172,6 +207,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     exact = sum(b["exactness"]["exact"] for b in batches)
     lines += ["", f"Batches: {len(batches)} finished, {exact} exact (every line once), "
               f"{sum(b['exactness']['returned'] for b in batches)} lines returned."]
+    for row in report.get("memory") or []:
+        slope = row["traced_slope_mib_per_h"]
+        lines += ["", f"Traced Python heap of {row['component']} (pid {row['pid']}, {row['snapshots']} snapshots): "
+                      f"{row['traced_mib_first']} → {row['traced_mib_last']} MiB from the start sample on, trend over "
+                      f"the second half {'–' if slope is None else slope} MiB/h.", ""]
+        if row["lines"]:
+            lines += ["| line | growth (KiB) | now (KiB) | allocations added |", "|---|---|---|---|"]
+            lines += [f"| `{line['where']}` | {line['size_diff_kib']} | {line['size_kib']} | {line['count_diff']} |"
+                      for line in row["lines"]]
     return "\n".join(lines) + "\n"
 
 
@@ -226,7 +270,9 @@ def run_soak(url: str, dashboard: str, model: str, settings: dict[str, Any], out
             batches.append(done)
     time.sleep(settings["drain_s"])
     leaks = leaked_requests(httpx.get(f"{url}/v1/admin/stats", timeout=30).json())
-    return build_report(settings, start, end, leaks, list(load.records), batches, read_samples(samples_path))
+    memory = (traced_growth(out / MEMORY_DIR, start["t_unix"]) if settings.get("memory_snapshot_interval_s")
+              else None)
+    return build_report(settings, start, end, leaks, list(load.records), batches, read_samples(samples_path), memory)
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
@@ -240,7 +286,7 @@ def rebuild(out_dir: Path) -> dict[str, Path]:
     saved = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
     report = build_report(saved["settings"], saved["start"], saved["end"], saved["leaked"],
                           [RequestRecord(**raw) for raw in saved["records"]], saved["batches"],
-                          read_samples(out_dir / "samples.jsonl"))
+                          read_samples(out_dir / "samples.jsonl"), saved.get("memory"))
     return write_report(report, out_dir)
 
 
@@ -257,13 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain", type=float, default=10.0,
                         help="seconds after the load stops before the lanes are checked for leaked requests")
     parser.add_argument("--sample-interval", type=float, default=60.0, help="seconds between samples")
+    parser.add_argument("--memory-snapshots", type=float, default=None, metavar="S",
+                        help="every Router, lane and PrefixCache replica traces its heap and writes a tracemalloc "
+                             "snapshot every S seconds (OUT/memory); the report names the lines that grew")
     args = parser.parse_args(argv)
     settings = {"serve_config": args.serve_config, "overrides": args.overrides, "minutes": args.minutes,
                 "interactive": args.interactive, "flex": args.flex, "interactive_tokens": args.interactive_tokens,
                 "flex_tokens": args.flex_tokens, "batch_lines": args.batch_lines,
                 "batch_max_tokens": args.batch_max_tokens, "batch_timeout_s": args.batch_timeout,
-                "warmup_s": args.warmup, "drain_s": args.drain, "sample_interval_s": args.sample_interval}
+                "warmup_s": args.warmup, "drain_s": args.drain, "sample_interval_s": args.sample_interval,
+                "memory_snapshot_interval_s": args.memory_snapshots}
     out = Path(args.out)
+    if args.memory_snapshots:
+        args.overrides += [f"observability.memory_snapshots.dir={(out / MEMORY_DIR).resolve()}",
+                           f"observability.memory_snapshots.interval_s={args.memory_snapshots}"]
     report = run_with_app(args, lambda url, model: run_soak(url, args.dashboard, model, settings, out))
     if report is None:
         return 1

@@ -33,8 +33,19 @@ class TracingConfig(StrictModel):
         return self
 
 
+class MemorySnapshotsConfig(StrictModel):
+    """tracemalloc snapshots of every Router, lane and PrefixCache replica (app.observability.memory), for a soak:
+    off unless `dir` is set, since tracing every allocation costs the replicas' Python code time and memory."""
+
+    dir: str | None = Field(None, description="directory each replica writes its snapshots to, on its own node; "
+                                              "None: no snapshots, no tracing")
+    interval_s: float = Field(600.0, gt=0, description="seconds between two snapshots of one replica")
+    frames: int = Field(1, ge=1, le=64, description="stack frames kept per allocation (1: the line that allocated)")
+
+
 class ObservabilityConfig(StrictModel):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    memory_snapshots: MemorySnapshotsConfig = Field(default_factory=MemorySnapshotsConfig)
     # vLLM's own engine metrics (ray_vllm_*) through its RayPrometheusStatLogger on Ray's metrics port.
     vllm_metrics: bool = True
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from app.config import AppConfig, load_app_config
 from app.heap import freeze_startup_heap
+from app.observability.memory import start_memory_snapshots
 from app.lanes.engine_reaper import start_engine_reaper
 from app.lanes.replica_stats import KV_USAGE_STAT
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
@@ -165,6 +166,8 @@ class LaneReplica:
         await self.prefix_feed.warm_up(self.engine.generate)
         self._metrics_task = asyncio.create_task(self._publish_engine_metrics_forever())
         freeze_startup_heap()
+        self.memory_snapshots = start_memory_snapshots(self.cfg.observability.memory_snapshots,
+                                                       f"{self.lane.capitalize()}Lane")
 
     async def generate(self, request: LaneRequest) -> AsyncIterator[LaneChunk]:
         # Tracing off: no LaneTrace, and each step below pays one `is None` test.
@@ -290,6 +293,9 @@ class LaneReplica:
         task = getattr(self, "_metrics_task", None)
         if task is not None:
             task.cancel()
+        snapshots = getattr(self, "memory_snapshots", None)
+        if snapshots is not None:
+            snapshots.stop()
         feed = getattr(self, "prefix_feed", None)
         if feed is not None:
             feed.close()

@@ -13,6 +13,7 @@ from typing import Any
 from ray import serve
 
 from app.config import load_app_config
+from app.observability.memory import start_memory_snapshots
 from app.prefix_cache.rate_ledger import Order, RateLedger
 from app.prefix_cache.shared_state import SharedPrefixState
 
@@ -22,10 +23,12 @@ HOUSEKEEPING_INTERVAL_S = 5.0
 @serve.deployment(name="PrefixCache")
 class PrefixCache:
     def __init__(self, app_args: dict[str, Any]):
-        self.state = SharedPrefixState(load_app_config(app_args))
+        cfg = load_app_config(app_args)
+        self.state = SharedPrefixState(cfg)
         # The API keys' rate-limit buckets, shared by every Router replica (app/router/rate_limits.py).
         self.rate_ledger = RateLedger()
         self._housekeeping = asyncio.get_event_loop().create_task(self._housekeep_forever())
+        self.memory_snapshots = start_memory_snapshots(cfg.observability.memory_snapshots, "PrefixCache")
 
     async def _housekeep_forever(self) -> None:
         while True:

@@ -18,6 +18,7 @@ from app.batch.store import BatchStoreError
 from app.classes import Lane
 from app.config import load_app_config
 from app.heap import freeze_startup_heap
+from app.observability.memory import start_memory_snapshots
 from app.lanes.replica_stats import merge_replica_stats
 from app.lanes.types import LaneReplicaLost, LaneRequest
 from app.prefix_cache.decision_stats import add_decision_observer, all_decision_stats
@@ -197,6 +198,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
         self._rate_limit_task = asyncio.create_task(self._return_idle_allowances_forever())
         freeze_startup_heap()
+        self.memory_snapshots = start_memory_snapshots(cfg.observability.memory_snapshots, "Router")
 
     def _routable_replicas(self, lane: Lane) -> int | None:
         """The lane's replicas this Router's handle can send a call to; before its handle has made any call, the
@@ -264,6 +266,8 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         self._backlog_metrics_task.cancel()
         self._rate_limit_task.cancel()
         self.tracing.shutdown()
+        if getattr(self, "memory_snapshots", None) is not None:
+            self.memory_snapshots.stop()
         try:
             await self.dispatcher.shutdown(self._dispatcher_task, self.cfg.router.graceful_shutdown_timeout_s / 2)
         except Exception as error:  # the store is gone too: the leases then run out after lease_s

@@ -143,3 +143,37 @@ def test_interactive_requests_while_a_lane_is_replaced_are_counted_with_their_tt
     assert down["ttft_ms"]["count"] == 2 and down["served_on"] == {"cold (hot_lane_down)": 2}
     assert down["under_way_at_kill"] == 1 and down["under_way_finished"] == 1
     assert interactive_while_down(records, 10.0, None)["sent"] == 4  # never replaced: to the end
+
+
+def _keep_allocations(kept: list) -> None:
+    kept.extend(bytearray(2048) for _ in range(1000))
+
+
+def test_the_soak_names_the_lines_whose_traced_memory_grew_in_each_replica(tmp_path):
+    import tracemalloc
+
+    from app.observability.memory import MemorySnapshots
+    from load_tests.soak import traced_growth
+
+    kept = []
+    was_tracing = tracemalloc.is_tracing()
+    tracemalloc.start(1)
+    try:
+        snapshots = MemorySnapshots(tmp_path, interval_s=60, frames=1, component="PrefixCache")
+        snapshots.write_one()  # before the start sample: not the baseline
+        start_unix = __import__("time").time()
+        snapshots.write_one()
+        _keep_allocations(kept)
+        snapshots.write_one()
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    [row] = traced_growth(tmp_path, start_unix, top=2)
+    assert row["component"] == "PrefixCache" and row["snapshots"] == 3
+    assert row["traced_mib_last"] - row["traced_mib_first"] >= 1.5
+    assert row["lines"][0]["where"].endswith(f"test_load_chaos.py:{_keep_allocations.__code__.co_firstlineno + 1}")
+    settings = {"serve_config": "x.yaml", "minutes": 10, "interactive": 2, "flex": 2, "batch_lines": 3,
+                "warmup_s": 60, "drain_s": 10}
+    sample = {"t_unix": 0, "processes": {}}
+    text = soak_markdown(soak_report(settings, sample, sample, leaked_requests({"lanes": {}}), [], [], memory=[row]))
+    assert "Traced Python heap of PrefixCache" in text and "| `" in text and len(kept) == 1000
