@@ -4,8 +4,10 @@ Under a retry storm most requests are refusals, and each one that reaches a Rout
 per-request work (the proxy's call to the replica, the replica's call back for the body, its request wrapper) than
 in the Router's own decision: on a small host the refusals then take the CPU that the admitted streams need. A
 Router's 429 carries a Retry-After; the proxy remembers that refusal until the Retry-After has passed and answers a
-retry of the same request sent sooner with the same refusal, without calling a Router. Polite clients never meet
-it; a naive retry loop costs the Routers one request per Retry-After.
+retry of the same request sent sooner with the same refusal, without calling a Router, after a pause of
+`REPLAY_PAUSE_S` (or what is left of the Retry-After, if less): a loop that retries at once is slowed to about one
+request a second, which costs the proxy a sleeping coroutine instead of the parsing and answering of five or ten.
+Polite clients never meet it; a naive retry loop costs the Routers one request per Retry-After.
 
 The same request: the same method, path and query, the same body byte for byte, and the same values of the headers
 the Router reads (`Authorization`, `X-Request-Class`, `X-Request-Timeout`). A Router decides its 429 only after the
@@ -20,6 +22,7 @@ counts them in `llm_lanes_refusals_replayed_total`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import time
@@ -36,6 +39,7 @@ MAX_BODY_BYTES = 64 * 1024  # a request with a larger (or no) declared body is p
 MAX_REFUSAL_BYTES = 16 * 1024  # a 429 body larger than this is not remembered
 MAX_REPLAY_S = 60.0  # a longer Retry-After is remembered this long
 MAX_ENTRIES = 20_000  # about 10 MiB of remembered refusals at most
+REPLAY_PAUSE_S = 1.0  # an early retry's refusal is answered after this long (at most its remaining Retry-After)
 REPLAYED_HEADER = b"x-llm-lanes-replayed"
 REPLAYED_METRIC = "llm_lanes_refusals_replayed_total"
 
@@ -127,10 +131,12 @@ def replayed_headers(refusal: Refusal, request_headers: Any, now: float) -> list
 class RefusalReplay:
     """ASGI middleware: answers a retry sent before its Retry-After with the Router's remembered 429."""
 
-    def __init__(self, app: Any, memory: RefusalMemory | None = None, counter: Any = None):
+    def __init__(self, app: Any, memory: RefusalMemory | None = None, counter: Any = None,
+                 pause_s: float = REPLAY_PAUSE_S):
         self.app = app
         self.memory = memory if memory is not None else RefusalMemory()
         self._counter = counter
+        self.pause_s = pause_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if not _replayable(scope):
@@ -150,9 +156,10 @@ class RefusalReplay:
         key = (request_key(scope["method"], scope["path"], scope.get("query_string", b""), scope["headers"],
                            bytes(body)) if complete and len(body) <= MAX_BODY_BYTES else None)
         if key is not None:
-            now = time.monotonic()
-            refusal = self.memory.recall(key, now)
+            refusal = self.memory.recall(key, time.monotonic())
             if refusal is not None:
+                await asyncio.sleep(max(0.0, min(self.pause_s, refusal.until_s - time.monotonic())))
+                now = time.monotonic()
                 await send({"type": "http.response.start", "status": 429,
                             "headers": replayed_headers(refusal, scope["headers"], now)})
                 await send({"type": "http.response.body", "body": refusal.body, "more_body": False})

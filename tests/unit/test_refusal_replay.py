@@ -78,10 +78,26 @@ def call(middleware, body=b'{"messages": []}', path=CHAT, headers=(), pieces=1, 
     return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
 
 
+class Clock(list):
+    """[now]; `pauses`: what the middleware slept."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.pauses: list[float] = []
+
+
 @pytest.fixture
 def clock(monkeypatch):
-    now = [1000.0]
+    """The middleware's clock, and its pauses (asyncio.sleep) recorded and passed on the clock at once."""
+    now = Clock([1000.0])
+    pauses = now.pauses
+
+    async def pause(seconds):
+        pauses.append(seconds)
+        now[0] += seconds
+
     monkeypatch.setattr("app.router.refusal_replay.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("app.router.refusal_replay.asyncio.sleep", pause)
     return now
 
 
@@ -89,11 +105,12 @@ def test_a_retry_before_its_retry_after_gets_the_same_refusal_without_reaching_t
     router, counter = Router(refused("3")), Counter()
     replay = RefusalReplay(router, counter=counter)
     first = call(replay, pieces=3)
-    clock[0] += 1.2
+    clock[0] += 0.8
     again = call(replay, headers=[(b"x-request-id", b"client-7")])
     assert len(router.bodies) == 1 and router.bodies[0] == b'{"messages": []}'  # the body reached it whole
     assert first[0] == again[0] == 429 and again[2] == first[2] and json.loads(again[2]) == REFUSAL
-    assert again[1][b"retry-after"] == b"2"  # counted down from the Router's 3 s
+    # Answered after a pause of a second, the Retry-After counted down from the Router's 3 s over both.
+    assert clock.pauses == [1.0] and again[1][b"retry-after"] == b"2"
     assert again[1][REPLAYED_HEADER] == b"1" and again[1][b"x-request-id"] == b"client-7"
     assert REPLAYED_HEADER not in first[1] and first[1][b"x-request-id"] == b"router-1"
     assert counter.value == 1
@@ -103,7 +120,8 @@ def test_after_the_retry_after_the_request_reaches_the_router_again(clock):
     router = Router(refused("2"), OK)
     replay = RefusalReplay(router, counter=Counter())
     call(replay)
-    clock[0] += 2.0
+    clock[0] += 1.6
+    assert call(replay)[0] == 429 and clock.pauses == [pytest.approx(0.4)]  # no pause past the Retry-After
     assert call(replay)[0] == 200 and len(router.bodies) == 2
 
 
