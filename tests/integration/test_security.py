@@ -225,8 +225,9 @@ def test_a_rate_limit_holds_across_both_router_replicas(url, stub, served_model)
     limited_key = [APPLICATION, ("authorization", f"Bearer {KEY_LIMITED}")]
     grpc_request = pb.CompletionRequest(model=served_model, prompt="hello", sampling=pb.SamplingParams(max_tokens=1))
 
-    def one(_):
-        return complete(url, served_model, KEY_LIMITED, max_tokens=1)
+    def one(index):
+        # Each request its own: a retry of the same one before its Retry-After is the proxy's (below), not a Router's.
+        return complete(url, served_model, KEY_LIMITED, max_tokens=1, prompt=f"hello {index}")
 
     started = time.monotonic()
     _, call = stub.Complete.with_call(grpc_request, metadata=limited_key, timeout=120)
