@@ -100,8 +100,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"# The fuzz corpus under load: `{settings['serve_config']}`", "",
         f"{result['requests']} requests (tests/hostile_requests.py: {settings['hostile']} hostile, {settings['edges']} "
         f"at the engine's edges), sent idle and again while {settings['streams']} interactive streams filled the "
-        f"hot lane (its slots full {report['slots_full_before']} before the second pass, "
-        f"{report['slots_full_after']} after it).", "",
+        f"hot lane (the answering Router's hot slots all taken as the second pass began: "
+        f"{'yes' if report['slots_full_before'] else 'no'}; as it ended: "
+        f"{'yes' if report['slots_full_after'] else 'no'}).", "",
         "| pass | statuses |", "|---|---|",
         f"| idle | {', '.join(f'{k}: {v}' for k, v in result['idle'].items())} |",
         f"| under load | {', '.join(f'{k}: {v}' for k, v in result['loaded'].items())} |", "",
