@@ -66,6 +66,8 @@ def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     window_s = burst.get("window_s") or report["settings"].get("burst_s")
     held = head.get("samples_interactive_held") or 0
     idle = head.get("samples_held_while_hot_running_none") or 0
+    waiting = head.get("samples_waiting_for_hot_slot") or 0
+    waiting_idle = head.get("samples_waiting_for_hot_slot_while_hot_running_none") or 0
     refusals = sum(c.get("rejected_429") or 0 for c in classes.values())
     replayed = sum(1 for record in (report.get("records") or {}).get("burst") or []
                    if record.get("status") == 429 and (record.get("headers") or {}).get(REPLAYED_HEADER))
@@ -79,6 +81,8 @@ def storm_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "interactive_tpot_p99_ms": head.get("interactive_tpot_p99_ms"),
         "samples_router_held_interactive": held,
         "hot_running_while_held_share": round((held - idle) / held, 3) if held else None,
+        "samples_waiting_for_hot_slot": waiting,
+        "hot_running_while_waiting_share": round((waiting - waiting_idle) / waiting, 3) if waiting else None,
         "refusals_per_s": round(refusals / window_s, 1) if window_s else None,
         "refusals_replayed_share": round(replayed / refusals, 3) if refusals else None,
         "server_errors_5xx": head.get("server_errors_5xx"),
@@ -136,9 +140,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     kills = [row for row in report["rows"] if "replacement_running_s" in row]
     if storms:
         lines += ["| scenario | admitted interactive TTFT p50 / p99 (ms) | their TPOT p50 / p99 (ms) | admitted | "
-                  "samples with interactive held by a Router: hot engines running some | refusals/s (replayed by the "
-                  "proxy) | 5xx | other failures | client processes on a CPU / waiting (s per s) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "samples with interactive held by a Router (admitted, before their first token, or waiting for a "
+                  "hot slot): hot engines running some | of them with some waiting for a hot slot: hot engines "
+                  "running some | refusals/s (replayed by the proxy) | 5xx | other failures | client processes on a "
+                  "CPU / waiting (s per s) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for row in storms:
             share = row["hot_running_while_held_share"]
             cpu = ", ".join(f"{u['on_cpu_per_s']:.2f} / {u['runqueue_wait_per_s']:.2f}"
@@ -146,8 +151,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {row['scenario']} | {_num(row['interactive_ttft_p50_ms'], 0)} / "
                          f"{_num(row['interactive_ttft_p99_ms'], 0)} | {_num(row.get('interactive_tpot_p50_ms'), 1)} / "
                          f"{_num(row.get('interactive_tpot_p99_ms'), 1)} | {_num(row['interactive_admitted'], 0)} | "
-                         f"{'–' if share is None else f'{share * 100:.0f} %'} of "
-                         f"{row['samples_router_held_interactive']} | {_num(row['refusals_per_s'], 1)} "
+                         f"{_share(share)} of {row['samples_router_held_interactive']} | "
+                         f"{_share(row.get('hot_running_while_waiting_share'))} of "
+                         f"{row.get('samples_waiting_for_hot_slot', 0)} | {_num(row['refusals_per_s'], 1)} "
                          f"({_share(row.get('refusals_replayed_share'))}) | "
                          f"{_num(row['server_errors_5xx'], 0)} | {_failures(row['failures'])} | {cpu} |")
         autogroup = {row["autogroup"] for row in storms}

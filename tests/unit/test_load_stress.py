@@ -16,6 +16,7 @@ def overload_report(held: int, idle: int, refused: int, other_errors: dict[str, 
         "headline": {"interactive_ttft_p50_ms": 800.0, "interactive_ttft_p99_ms": 2900.0, "interactive_admitted": 150,
                      "interactive_tpot_p50_ms": 40.0, "interactive_tpot_p99_ms": 95.5,
                      "samples_interactive_held": held, "samples_held_while_hot_running_none": idle,
+                     "samples_waiting_for_hot_slot": 4, "samples_waiting_for_hot_slot_while_hot_running_none": 0,
                      "server_errors_5xx": 0},
         "phases": {"burst": {"window_s": 40.0, "classes": {
             "interactive": {"rejected_429": refused, "other_errors": other_errors},
@@ -45,7 +46,8 @@ def test_the_report_has_a_row_per_storm_and_per_kill(tmp_path):
     assert kill["server_errors_5xx"] == 1 and kill["failures"]["flex"] == {"503": 1}
     assert [m["scenario"] for m in report["missing"]] == ["storm-polite"]
     markdown = stress.render_markdown(report)
-    assert ("| storm-naive | 800 / 2,900 | 40.0 / 95.5 | 150 | 90 % of 10 | 100.0 (25 %) | 0 | interactive stream: 2 | "
+    assert ("| storm-naive | 800 / 2,900 | 40.0 / 95.5 | 150 | 90 % of 10 | 100 % of 4 | 100.0 (25 %) | 0 | "
+            "interactive stream: 2 | "
             "0.50 / 0.25 |") in markdown
     assert "| kill -9 HotLane | 213 | 213 | 198 / 2852 | 41.9 | 4 of 4 | 1 | flex 503: 1 |" in markdown
 
