@@ -39,7 +39,8 @@ HEADLINE_SCENARIO = "gpu_mixed"
 DIRECT_INGRESS_SUFFIX = "-di"
 # A phase run again in one campaign folder (gpu_campaign.sh numbers it rather than replacing the first run).
 RUN_SUFFIX = re.compile(r"-run\d+$")
-READY_POLL_S = 3.0
+# A GET of /v1/models a second costs the starting app nothing and measures its ready time to the second.
+READY_POLL_S = 1.0
 # Long enough that one request normally waits out a lane still starting (Serve holds it until a replica is up):
 # repeated client timeouts would count as lane failures for the circuit breaker.
 READY_REQUEST_TIMEOUT_S = 150.0
