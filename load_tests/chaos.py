@@ -307,6 +307,20 @@ def interactive_while_down(records: Iterable[RequestRecord], killed_s: float,
             "under_way_at_kill": len(across), "under_way_finished": sum(r.ok for r in across)}
 
 
+def back_on_lane_s(records: Iterable[RequestRecord], killed_s: float, replaced_s: float | None,
+                   lane: str = "hot") -> float | None:
+    """Seconds from the replacement's RUNNING to the first interactive request sent since that `lane` answered: how
+    soon interactive work goes back to its lane once it has a replica again (negative: one was sent a moment before
+    RUNNING was read and answered there). None without a replacement or without such an answer."""
+    if replaced_s is None:
+        return None
+    running_at = killed_s + replaced_s
+    back = [r.start_s for r in records if r.request_class == "interactive" and r.ok and r.start_s >= killed_s
+            and r.headers.get(LANE_HEADER) == lane and not r.headers.get(DEGRADED_HEADER)
+            and r.start_s >= running_at - 1.0]
+    return round(min(back) - running_at, 2) if back else None
+
+
 def class_summary(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
     summary = {}
     for cls in CLASSES:
@@ -324,6 +338,8 @@ def build_report(settings: dict[str, Any], kills: list[dict[str, Any]], records:
     for kill, following in zip(kills, kills[1:] + [None]):
         kill["errors"] = errors_by_class(records, kill["killed_s"], following["killed_s"] if following else None)
         kill["interactive_while_down"] = interactive_while_down(records, kill["killed_s"], kill.get("replaced_s"))
+        if kill["deployment"] == "HotLane":
+            kill["interactive_back_on_hot_s"] = back_on_lane_s(records, kill["killed_s"], kill.get("replaced_s"))
     before = errors_by_class(records, float("-inf"), kills[0]["killed_s"]) if kills else errors_by_class(
         records, float("-inf"), None)
     return {"settings": settings, "kills": kills, "errors_before_first_kill": before,
@@ -356,15 +372,16 @@ def render_markdown(report: dict[str, Any]) -> str:
               "HTTP status or `stream` (an error event mid-stream) / `transport` / `timeout`.", "",
               "Interactive requests from each kill until its replacement was RUNNING, and the streams under way at "
               "the kill:", "",
-              "| kill | sent | answered | TTFT p50 / p99 (ms) | served on | under way at the kill: finished |",
-              "|---|---|---|---|---|---|"]
+              "| kill | sent | answered | TTFT p50 / p99 (ms) | served on | under way at the kill: finished | "
+              "back on the hot lane after RUNNING (s) |", "|---|---|---|---|---|---|---|"]
     for kill in report["kills"]:
         down = kill.get("interactive_while_down") or {}
         ttft = down.get("ttft_ms") or {}
         served = ", ".join(f"{lane}: {n}" for lane, n in sorted((down.get("served_on") or {}).items())) or "–"
         lines.append(f"| {kill['deployment']} | {down.get('sent', 0)} | {down.get('answered', 0)} | "
                      f"{_s(ttft.get('p50'))} / {_s(ttft.get('p99'))} | {served} | "
-                     f"{down.get('under_way_finished', 0)} of {down.get('under_way_at_kill', 0)} |")
+                     f"{down.get('under_way_finished', 0)} of {down.get('under_way_at_kill', 0)} | "
+                     f"{_s(kill.get('interactive_back_on_hot_s'))} |")
     lines += ["",
               "| class | requests | ok | errors | E2E p50 / p99 of ok (ms) |", "|---|---|---|---|---|"]
     for cls, summary in report["classes"].items():

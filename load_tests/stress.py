@@ -115,6 +115,7 @@ def kill_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             "interactive_sent_while_down": down.get("sent"),
             "interactive_answered_while_down": down.get("answered"),
             "replacement_running_s": kill.get("replaced_s"),
+            "back_on_hot_s": kill.get("interactive_back_on_hot_s"),
             "streams_under_way": down.get("under_way_at_kill"),
             "streams_under_way_finished": down.get("under_way_finished"),
             "failures": failures,
@@ -169,12 +170,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"{row['server_errors_5xx']} |", ""]
     if kills:
         lines += ["| kill | interactive sent until the replacement ran | answered | TTFT p50 / p99 (ms) | replacement "
-                  "RUNNING (s) | streams under way: finished | 5xx | failures |", "|---|---|---|---|---|---|---|---|"]
+                  "RUNNING (s) | interactive back on the hot lane after it (s) | streams under way: finished | 5xx | "
+                  "failures |", "|---|---|---|---|---|---|---|---|---|"]
         for row in kills:
             lines.append(f"| {row['scenario']} | {_num(row['interactive_sent_while_down'], 0)} | "
                          f"{_num(row['interactive_answered_while_down'], 0)} | "
                          f"{_num(row['interactive_ttft_p50_ms'], 0)} / {_num(row['interactive_ttft_p99_ms'], 0)} | "
-                         f"{_num(row['replacement_running_s'], 1)} | "
+                         f"{_num(row['replacement_running_s'], 1)} | {_num(row.get('back_on_hot_s'), 1)} | "
                          f"{_num(row['streams_under_way_finished'], 0)} of {_num(row['streams_under_way'], 0)} | "
                          f"{_num(row['server_errors_5xx'], 0)} | {_failures(row['failures'])} |")
         lines.append("")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from load_tests.chaos import (RequestRecord, batch_exactness, build_report, engine_processes, errors_by_class,
-                              first_success_s, interactive_while_down, proxy_pids, render_markdown, served_through)
+from load_tests.chaos import (RequestRecord, back_on_lane_s, batch_exactness, build_report, engine_processes,
+                              errors_by_class, first_success_s, interactive_while_down, proxy_pids, render_markdown,
+                              served_through)
 from load_tests.soak import build_report as soak_report
 from load_tests.soak import growth, leaked_requests, read_process, rss_slope_mib_per_h
 from load_tests.soak import render_markdown as soak_markdown
@@ -143,6 +144,11 @@ def test_interactive_requests_while_a_lane_is_replaced_are_counted_with_their_tt
     assert down["ttft_ms"]["count"] == 2 and down["served_on"] == {"cold (hot_lane_down)": 2}
     assert down["under_way_at_kill"] == 1 and down["under_way_finished"] == 1
     assert interactive_while_down(records, 10.0, None)["sent"] == 4  # never replaced: to the end
+    # Back on the hot lane: the first interactive request sent after RUNNING (at 40) that the hot lane answered.
+    late = degraded(40.5, 1.0, 0.3)  # still sent to the cold lane after RUNNING
+    assert back_on_lane_s(records + [late, record("interactive", 41.5, 1.0)], 10.0, 30.0) == 0.0
+    assert back_on_lane_s([late, record("interactive", 42.5, 1.0)], 10.0, 30.0) == 2.5
+    assert back_on_lane_s(records, 10.0, None) is None and back_on_lane_s([late], 10.0, 30.0) is None
 
 
 def _keep_allocations(kept: list) -> None:

@@ -25,7 +25,7 @@ def overload_report(held: int, idle: int, refused: int, other_errors: dict[str, 
 
 
 def chaos_report() -> dict:
-    return {"kills": [{"deployment": "HotLane", "replaced_s": 41.9,
+    return {"kills": [{"deployment": "HotLane", "replaced_s": 41.9, "interactive_back_on_hot_s": 1.25,
                        "errors": {"interactive": {}, "batch": {"503": 1}},
                        "interactive_while_down": {"sent": 213, "answered": 213, "ttft_ms": {"p50": 198, "p99": 2852},
                                                   "under_way_at_kill": 4, "under_way_finished": 4}}]}
@@ -49,7 +49,7 @@ def test_the_report_has_a_row_per_storm_and_per_kill(tmp_path):
     assert ("| storm-naive | 800 / 2,900 | 40.0 / 95.5 | 150 | 90 % of 10 | 100 % of 4 | 100.0 (25 %) | 0 | "
             "interactive stream: 2 | "
             "0.50 / 0.25 |") in markdown
-    assert "| kill -9 HotLane | 213 | 213 | 198 / 2852 | 41.9 | 4 of 4 | 1 | flex 503: 1 |" in markdown
+    assert "| kill -9 HotLane | 213 | 213 | 198 / 2852 | 41.9 | 1.2 | 4 of 4 | 1 | flex 503: 1 |" in markdown
 
 
 def test_the_fuzz_row_counts_what_was_a_4xx_idle_and_a_429_under_load(tmp_path):
