@@ -156,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
 
-    from load_tests.overload import app_args, derived_config
+    from load_tests.chaos import served_model
+    from load_tests.overload import derived_config
     from load_tests.serve_runner import serve_and_run
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     document = derived_config(yaml.safe_load(Path(args.serve_config).read_text(encoding="utf-8")), args.overrides,
                               out)
-    model = (app_args(document).get("model") or {}).get("served_name") or "tiny-llama"
+    model = served_model(document)
     report = serve_and_run(document, Path(args.serve_config).name, out, args.ready_timeout,
                            lambda url: measure(url, args, model, out), _log)
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
