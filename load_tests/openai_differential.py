@@ -331,6 +331,43 @@ def compare_answers(app_url: str, vllm_url: str, model: str) -> tuple[int, list[
     return compared, problems
 
 
+# Each adapter's answers are compared on these (greedy, so an adapter's weights decide every token).
+ADAPTER_REQUESTS = [completion(), completion(prompt="Return a list of", max_tokens=24), chat(),
+                    chat(content="Name three colours.", max_tokens=16)]
+
+
+def compare_adapter_answers(app_url: str, vllm_url: str, adapters: list[str]) -> tuple[int, list[str]]:
+    """ADAPTER_REQUESTS for each adapter (its name as `model`), streamed and not, one at a time to both: (requests
+    compared, problems). Also a problem: an adapter whose answers are all the base model's (the adapter not applied
+    on either side would pass the comparison otherwise)."""
+    compared, problems = 0, []
+    for adapter in adapters:
+        same_as_base = 0
+        for path, body in ADAPTER_REQUESTS:
+            for stream in (False, True):
+                sent = {**body, "model": adapter}
+                what = f"adapter {adapter}: {path} {json.dumps(sent)[:200]}"
+                reference_status, theirs = post(vllm_url, path, sent, stream)
+                status, ours = post(app_url, path, sent, stream)
+                compared += 1
+                if not status == reference_status == 200:
+                    problems.append(f"{what}\n  ours {status}: {ours}\n  vLLM {reference_status}: {theirs}")
+                    continue
+                pick = normalized_stream if stream else normalized
+                problems += [f"{what}\n  {difference}" for difference in answer_differences(pick(ours), pick(theirs))]
+                if not stream:
+                    base_status, base = post(vllm_url, path, {**body, "model": _base_model(vllm_url)}, False)
+                    same_as_base += base_status == 200 and pick(base)["choices"] == pick(theirs)["choices"]
+        if same_as_base == len(ADAPTER_REQUESTS):
+            problems.append(f"adapter {adapter}: every answer is the base model's; the adapter changes nothing")
+    return compared, problems
+
+
+def _base_model(url: str) -> str:
+    return next(card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+                if not card.get("parent"))
+
+
 def _sent_to_both(app_url: str, vllm_url: str, model: str, path: str, body: dict):
     """One request to the app and to vLLM's server: (path, body as sent, the app's answer, the server's)."""
     path, body = expanded(path, body, model)
@@ -402,6 +439,8 @@ def vllm_server_command(document: dict[str, Any], port: int) -> tuple[list[str],
         command += ["--chat-template", model.chat_template]
     if model.reasoning_parser:
         command += ["--reasoning-parser", model.reasoning_parser]
+    if model.adapters:
+        command += ["--lora-modules", *(f"{adapter.name}={adapter.path}" for adapter in model.adapters)]
     return command, env
 
 

@@ -17,10 +17,22 @@ from app.config.base import (  # noqa: F401
     ALLOWED_BLOCK_SIZES, CPU_BLOCK_MULTIPLE, MAX_HEALTH_CHECK_PERIOD_S, StrictModel, is_postgres_url, parse_cpu_list,
 )
 from app.config.lanes import (  # noqa: F401
-    AutoscalingSettings, EngineSettings, LaneConfig, LaneDeploymentSettings, QueueDepthTargets,
+    LORA_RANKS, AutoscalingSettings, EngineSettings, LaneConfig, LaneDeploymentSettings, LoraSettings,
+    QueueDepthTargets,
 )
 from app.config.observability import TRACING_EXPORTERS, ObservabilityConfig, TracingConfig  # noqa: F401
 from app.config.security import REQUEST_CLASS_NAMES, TENANT_PATTERN, ApiKeyConfig, AuthConfig  # noqa: F401
+
+
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"
+
+
+class LoraAdapterConfig(StrictModel):
+    """A LoRA adapter of the base model, served under its own model name."""
+
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN, description="The name clients pass as `model` for it.")
+    path: str = Field(min_length=1, description="Local folder of the adapter (PEFT's adapter_config.json and "
+                                                "adapter_model.safetensors), on every node of the app.")
 
 
 class ModelConfig(StrictModel):
@@ -38,11 +50,21 @@ class ModelConfig(StrictModel):
                                                             'tool_choice "auto" and "required" with tool calls parsed.')
     enable_auto_tool_choice: bool = Field(False, description='Honour tool_choice "auto" (needs tool_call_parser).')
     reasoning_parser: str | None = Field(None, description="vLLM reasoning parser: the answer's reasoning_content.")
+    adapters: list[LoraAdapterConfig] = Field(
+        default_factory=list, description="LoRA adapters served over this model, each under its own name (needs "
+                                          "engine.lora on every lane).")
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self):
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("model.enable_auto_tool_choice needs model.tool_call_parser (e.g. hermes)")
+        names = [adapter.name for adapter in self.adapters]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"model.adapters names {twice} more than once: give each adapter one entry")
+        if self.served_name in names:
+            raise ValueError(f"model.adapters: {self.served_name!r} is the base model's served_name: give the adapter "
+                             "another name")
         return self
 
     @property
@@ -154,6 +176,9 @@ class PrefixCacheConfig(StrictModel):
     approximate_ttl_s: float = Field(300, gt=0, description="approximate feed: entries unused this long are dropped.")
     match_threshold: float = Field(0.85, description="Route by affinity when match ratio >= this.")
     min_prefix_tokens: int = Field(1024, ge=1, description="Prompts shorter than this skip affinity.")
+    adapter_spread_at: int = Field(8, ge=1, description="A LoRA adapter's requests go to the replicas holding it "
+                                                        "until each of those runs this many; then to any replica "
+                                                        "(app.prefix_cache.adapter_affinity).")
     max_queue_imbalance: int = Field(4, ge=0, description="Affinity yields when its replica's queue is this much "
                                                            "longer than the shortest queue.")
     kv_usage_weight: float = Field(8.0, ge=0, description="Load score = queue length + this x KV usage (0..1).")
@@ -278,6 +303,7 @@ class AppConfig(StrictModel):
             raise ValueError("admission.interactive_decode_handoff_tokens hands interactive decode from the hot lane "
                              "to the cold lane, and this app has only one lane: set it to 0 or add the other lane")
         self._check_realtime_reserve()
+        self._check_lora()
         check_batch_store(self)
         return self
 
@@ -295,6 +321,30 @@ class AppConfig(StrictModel):
         if deployment.min_replicas <= reserved:
             raise ValueError(f"{field} would leave no hot replica for interactive requests: hot_lane.deployment."
                              f"{where} is {deployment.min_replicas}; raise it above {reserved}, or lower the reserve")
+
+    def _check_lora(self) -> None:
+        """Adapters need LoRA on every lane: a request for one may run on either (spill, decode handoff, a lost
+        lane's requests served by the other)."""
+        if not self.model.adapters:
+            return
+        for lane_name in ("hot_lane", "cold_lane"):
+            lane = getattr(self, lane_name)
+            if lane is not None and lane.engine.lora is None:
+                raise ValueError(f"model.adapters needs LoRA on every lane, and {lane_name}.engine.lora is not set: "
+                                 f"add {lane_name}.engine.lora (e.g. {{max_loras: 2, max_lora_rank: 16}}), or drop "
+                                 "model.adapters")
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether the lanes' engines run vLLM's multi-LoRA (adapters configured or loadable at run time)."""
+        return all(lane.engine.lora is not None for lane in (self.hot_lane, self.cold_lane) if lane is not None)
+
+    @property
+    def max_lora_rank(self) -> int | None:
+        """The largest adapter rank every lane takes (None: no LoRA)."""
+        if not self.serves_lora:
+            return None
+        return min(lane.engine.lora.max_lora_rank for lane in (self.hot_lane, self.cold_lane) if lane is not None)
 
     def keeps_prefix_index(self, lane: LaneConfig) -> bool:
         """Whether `lane`'s engines feed the shared prefix index from their KV events and its calls go through the

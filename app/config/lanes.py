@@ -9,6 +9,33 @@ from pydantic import Field, model_validator
 from app.config.base import ALLOWED_BLOCK_SIZES, MAX_HEALTH_CHECK_PERIOD_S, StrictModel, parse_cpu_list
 
 
+# vLLM's choices for max_lora_rank (its LoRAConfig refuses any other).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraSettings(StrictModel):
+    """vLLM's multi-LoRA in a lane's engines (its enable_lora, with these limits). Set on every lane when the app
+    serves adapters (model.adapters, or any loaded at run time)."""
+
+    # Adapters one engine step can mix: each takes a slot of max_lora_rank in device memory for the engine's life.
+    max_loras: int = Field(1, ge=1)
+    # The largest rank an adapter may have (a larger one is refused when loaded); the slots are sized by it.
+    max_lora_rank: int = 16
+    # Adapters an engine keeps in host memory, read from disk once; the least recently used goes first. None: as
+    # many as max_loras.
+    max_cpu_loras: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraSettings":
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM supports: use one of "
+                             f"{list(LORA_RANKS)} at least as large as your adapters' rank")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every adapter in a "
+                             "step is also in host memory; raise max_cpu_loras or leave it unset")
+        return self
+
+
 class EngineSettings(StrictModel):
     """The vLLM engine arguments llm-lanes supports, per lane. `extra_engine_args` passes anything else through."""
 
@@ -46,6 +73,8 @@ class EngineSettings(StrictModel):
     # ~hundreds of kernel launches each. 512 took realtime TTFT p50 from ~42 to ~30 ms on the H200 (round 9,
     # docs/benchmarks-gpu.md). Each captured size costs start-up time and a little GPU memory. GPU only.
     cuda_graph_max_tokens: int | None = Field(None, ge=1, le=8192)
+    # Multi-LoRA (None: off, and a request for an adapter cannot run on this lane).
+    lora: LoraSettings | None = None
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -78,6 +107,10 @@ class EngineSettings(StrictModel):
         if self.cuda_graph_max_tokens is not None and self.enforce_eager:
             raise ValueError("cuda_graph_max_tokens is set but enforce_eager: true captures no CUDA graphs: "
                              "drop one of them")
+        lora_args = set(self.extra_engine_args) & {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}
+        if lora_args:
+            raise ValueError(f"extra_engine_args sets {sorted(lora_args)}: set the lane's engine.lora block instead "
+                             "(max_loras, max_lora_rank, max_cpu_loras), which the Router and routing read too")
         clash = set(self.extra_engine_args) & set(type(self).model_fields)
         if clash:
             raise ValueError(

@@ -7,6 +7,7 @@ TokensPrompt and a stat logger (the hook vLLM offers for reading scheduler stats
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -16,9 +17,26 @@ from typing import Any
 
 from app.config import AppConfig, EngineSettings
 from app.lanes.cpu_priority import parse_cpu_list, pin_process, renice_process_tree
-from app.lanes.types import EngineStats, LaneChunk, LaneReplicaLost, LaneRequest, LaneRequestInvalid
+from app.lanes.types import AdapterRef, EngineStats, LaneChunk, LaneReplicaLost, LaneRequest, LaneRequestInvalid
 
 logger = logging.getLogger(__name__)
+
+
+def configure_vllm_logging() -> None:
+    """Let vLLM set up its logging now. vLLM does it with logging.config.dictConfig, when `vllm.logger` is first
+    imported and again when an engine's config is made with another logging config than the last applied, and
+    dictConfig closes every logging handler that exists at that moment. Done at a replica's engine start, it closed
+    the handlers Ray Serve had given the replica's logger: the replica's log file got nothing more, and the closed
+    MemoryHandler, still attached, kept every later record in its buffer (about 1.5 KiB per request, without end: a
+    2-hour soak's ColdLane replica held 93,000 of them). Called while Ray Serve imports the lane's deployment class,
+    before it sets up the replica's logging, with the config the engine's start applies (the engine arguments set no
+    logging options), so that start finds it applied."""
+    import vllm.logger
+
+    if hasattr(vllm.logger, "configure_logging_if_needed"):  # vLLM 0.32; 0.26 configures only on import
+        from vllm.config import LoggingConfig
+
+        vllm.logger.configure_logging_if_needed(LoggingConfig())
 
 
 def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
@@ -45,6 +63,9 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if settings.kv_cache_memory_bytes is not None:
         args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if settings.lora is not None:
+        args.update(enable_lora=True, max_loras=settings.lora.max_loras, max_lora_rank=settings.lora.max_lora_rank,
+                    max_cpu_loras=settings.lora.max_cpu_loras)
     if settings.speculative_config:
         args["speculative_config"] = dict(settings.speculative_config)
     if kv_events_config:
@@ -61,6 +82,71 @@ def engine_args_dict(cfg: AppConfig, settings: EngineSettings,
         args["compilation_config"] = {**(args.get("compilation_config") or {}),
                                       "max_cudagraph_capture_size": settings.cuda_graph_max_tokens}
     return args
+
+
+def check_adapter(name: str, path: str, max_lora_rank: int | None, max_model_len: int) -> None:
+    """Raise ValueError, naming the adapter and why, if the LoRA adapter in folder `path` cannot be served: no LoRA
+    on the lanes (`max_lora_rank` None), no PEFT adapter there, or a rank above max_lora_rank. Reads the folder as
+    vLLM's loader does (PEFTHelper), without an engine."""
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    if max_lora_rank is None:
+        raise ValueError(f"LoRA adapter {name!r}: this app serves no LoRA adapters (set engine.lora on every lane)")
+    try:
+        helper = PEFTHelper.from_local_dir(path, max_model_len)
+    except FileNotFoundError:
+        raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path!r}") from None
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(f"LoRA adapter {name!r}: {path!r} is not a PEFT LoRA adapter ({error})") from None
+    try:
+        helper.validate_legal(LoRAConfig(max_lora_rank=max_lora_rank))
+    except ValueError as error:
+        raise ValueError(f"LoRA adapter {name!r}: {error}") from None
+
+
+def _lora_request(adapter: AdapterRef):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.name, lora_int_id=adapter.id, lora_path=adapter.path)
+
+
+# On a CPU host (vLLM's PunicaWrapperCPU), a step that mixes requests with and without an adapter applies the adapter
+# of the engine's last LoRA slot to those without: their index, -1, picks that slot as a Python index. So with LoRA on,
+# the base model's requests run under an adapter that changes nothing (lora_B zero): every request has an adapter,
+# and each gets its own. It costs the base model's requests the LoRA path's compute, and one of max_loras' slots.
+BASE_ADAPTER_NAME = "llm-lanes-identity"
+BASE_ADAPTER_ID = 2**31 - 1
+
+
+def identity_adapter(model_dir: str) -> str:
+    """A folder holding a rank-1 LoRA adapter of `model_dir` (a Llama-family layout: self_attn.o_proj) whose delta is
+    zero; written once per host into the system's temporary folder."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    folder = Path(tempfile.gettempdir()) / f"llm-lanes-identity-lora-{config['hidden_size']}-{heads * head_dim}"
+    if not (folder / "adapter_model.safetensors").exists():
+        # Written beside and renamed into place: the lanes' replicas on one host may start at once.
+        folder.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
+        prefix = "base_model.model.model.layers.0.self_attn.o_proj"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(1, heads * head_dim),
+                   f"{prefix}.lora_B.weight": torch.zeros(config["hidden_size"], 1)},
+                  str(staging / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["o_proj"], "bias": "none",
+            "base_model_name_or_path": model_dir}))
+        os.replace(staging / "adapter_model.safetensors", folder / "adapter_model.safetensors")
+        staging.rmdir()
+    return str(folder)
 
 
 # What vLLM raises for a request it will not take, besides its own client errors: its checks' ValueError and
@@ -158,6 +244,12 @@ class VllmEngine:
         self._prefix_hits = 0
         self._spec_draft_tokens = 0
         self._spec_accepted_tokens = 0
+        # LoRA adapter id -> name, of every served adapter this engine has loaded (the engine reports ids only), and
+        # the ids loaded (checked by the engine) so far, the identity adapter's included.
+        self._adapter_names: dict[int, str] = {}
+        self._loaded_adapter_ids: set[int] = set()
+        # On a CPU host the base model's requests run under an identity adapter (identity_adapter says why).
+        self._base_adapter: AdapterRef | None = None
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -171,6 +263,8 @@ class VllmEngine:
         engine_args = AsyncEngineArgs(**args)
         with placed_on_cpus(self.cfg, self.settings):
             self._engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=self.stat_logger_factories())
+        if self.settings.lora is not None:
+            await self._load_configured_adapters()
         if self.settings.cpu_nice:
             # The engine-core process and its worker threads exist now; this replica's own threads stay at the
             # default priority (they stream results back to the Router).
@@ -255,9 +349,13 @@ class VllmEngine:
                     output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
                 )
             with_output = request.engine_params is not None
+            engine_kwargs = dict(request.engine_kwargs)
+            adapter = request.adapter or self._base_adapter
+            if adapter is not None:
+                engine_kwargs["lora_request"] = await self._lora_request(adapter)
             # AsyncLLM aborts the engine request itself when this generator is cancelled or closed (client gone).
             async for output in self._engine.generate(prompt, params, request.request_id, priority=request.priority,
-                                                      **request.engine_kwargs):
+                                                      **engine_kwargs):
                 produced = True
                 token_ids = [t for completion in output.outputs for t in completion.token_ids]
                 completion_tokens += len(token_ids)
@@ -289,6 +387,57 @@ class VllmEngine:
             if invalid is None:
                 raise
             raise invalid from error
+
+    async def _lora_request(self, adapter: AdapterRef):
+        if self.settings.lora is None:
+            # The schema puts LoRA on every lane that serves adapters; an engine without it would answer with the
+            # base model's weights under the adapter's name.
+            raise LaneRequestInvalid(f"the {self.lane} lane serves no LoRA adapters (model {adapter.name!r})",
+                                     "model")
+        if adapter.id not in self._loaded_adapter_ids:
+            try:
+                await self.load_adapter(adapter)
+            except ValueError as error:
+                raise LaneRequestInvalid(str(error), "model") from None
+        return _lora_request(adapter)
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Load `adapter` into the engine (or mark it used, if held), which checks it against the model: its files,
+        its rank, its shapes. Raises ValueError naming the adapter and why, and the engine goes on. A request naming
+        an adapter the engine has not loaded would load it inside an engine step, where a refusal kills the engine
+        with every request in it; so every adapter is loaded here first."""
+        try:
+            await self._engine.add_lora(_lora_request(adapter))
+        except Exception as error:
+            # A refused adapter can stay in the engine's host-memory cache, where a step would activate it again.
+            with contextlib.suppress(Exception):
+                await self._engine.remove_lora(adapter.id)
+            message = str(error)
+            # vLLM wraps the worker's refusal: "Call to add_lora method failed: Worker failed with error '...'".
+            if "with error '" in message:
+                message = message.split("with error '", 1)[1].rsplit("'", 1)[0]
+            raise ValueError(f"LoRA adapter {adapter.name!r} ({adapter.path}) cannot be loaded on the {self.lane} "
+                             f"lane: {message}") from None
+        self._loaded_adapter_ids.add(adapter.id)
+        if adapter.id != BASE_ADAPTER_ID:
+            self._adapter_names[adapter.id] = adapter.name
+
+    async def _load_configured_adapters(self) -> None:
+        """model.adapters, with the ids the Router gives them (their order, from 1), and on a CPU host the identity
+        adapter the base model's requests run under."""
+        if self.cfg.device == "cpu":
+            identity = AdapterRef(BASE_ADAPTER_NAME, BASE_ADAPTER_ID, identity_adapter(self.cfg.model.source))
+            await self.load_adapter(identity)
+            self._base_adapter = identity
+        for adapter_id, adapter in enumerate(self.cfg.model.adapters, start=1):
+            await self.load_adapter(AdapterRef(adapter.name, adapter_id, adapter.path))
+
+    async def held_adapters(self) -> frozenset[str]:
+        """The LoRA adapters this engine holds now (loaded in its host-memory cache), by name."""
+        if self._engine is None or self.settings.lora is None:
+            return frozenset()
+        ids = await self._engine.list_loras()
+        return frozenset(self._adapter_names[i] for i in ids if i in self._adapter_names)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

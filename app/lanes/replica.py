@@ -17,14 +17,16 @@ from typing import Any
 from app.config import AppConfig, load_app_config
 from app.heap import freeze_startup_heap
 from app.observability.memory import start_memory_snapshots
+from app.lanes.engine import configure_vllm_logging
 from app.lanes.engine_reaper import start_engine_reaper
-from app.lanes.replica_stats import KV_USAGE_STAT
+from app.lanes.replica_stats import ADAPTERS_STAT, KV_USAGE_STAT
 from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
 from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
 from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
 from app.classes import RequestClass
 
 logger = logging.getLogger(__name__)
+configure_vllm_logging()  # before Ray Serve sets up this replica's log handlers (engine.py says why)
 
 # How often a request held back for KV headroom re-reads the engine's usage.
 KV_HEADROOM_POLL_S = 0.02
@@ -159,6 +161,9 @@ class LaneReplica:
         # stream failed. An operator sees disconnects here; a test sees the abort without racing the engine.
         self.aborted_by_class: Counter[str] = Counter()
         self.held_for_kv = 0
+        # LoRA adapters: requests running per adapter, and what the engine held at its last reading.
+        self.running_by_adapter: Counter[str] = Counter()
+        self.held_adapters: frozenset[str] = frozenset()
         # High-water marks: lets an operator (and a test) see the realtime cap hold under load.
         self.max_inflight_by_class: Counter[str] = Counter()
         self.gate_waits_by_class: Counter[str] = Counter()
@@ -217,7 +222,13 @@ class LaneReplica:
     async def _run(self, request: LaneRequest, trace: LaneTrace | None = None) -> AsyncIterator[LaneChunk]:
         if trace is not None:
             trace.entered_engine()
-        self.prefix_feed.observe(request.prompt_token_ids)
+        adapter = request.adapter.name if request.adapter is not None else None
+        if adapter is None:
+            # Prefix popularity and the approximate index are the base model's: an adapter's KV blocks are its own.
+            self.prefix_feed.observe(request.prompt_token_ids)
+        else:
+            self.running_by_adapter[adapter] += 1
+            self.held_adapters |= {adapter}  # the engine loads it for this request, if it did not hold it
         name = request.request_class.value
         self.inflight_by_class[name] += 1
         self.max_inflight_by_class[name] = max(self.max_inflight_by_class[name], self.inflight_by_class[name])
@@ -235,6 +246,10 @@ class LaneReplica:
                     trace.chunk(chunk)
                 yield chunk
         finally:
+            if adapter is not None:
+                self.running_by_adapter[adapter] -= 1
+                if not self.running_by_adapter[adapter]:
+                    del self.running_by_adapter[adapter]
             if not finished:
                 self.inflight_by_class[name] -= 1
                 # Cancelled (client gone, deadline) or failed: make sure the engine drops the sequence.
@@ -258,6 +273,8 @@ class LaneReplica:
     async def _publish_engine_metrics_forever(self) -> None:
         while True:
             try:
+                if self.cfg.serves_lora:
+                    self.held_adapters = await self.engine.held_adapters()
                 stats = await self.stats()
                 # Every replica's stats reach the admin endpoint through the PrefixCache's registry (a handle call
                 # reaches one replica only). Not awaited: a slow PrefixCache must not stall this loop.
@@ -266,9 +283,14 @@ class LaneReplica:
                 logger.warning("could not publish engine metrics: %s", error)
             await asyncio.sleep(ENGINE_METRICS_INTERVAL_S)
 
-    def record_routing_stats(self) -> dict[str, float]:
-        """Ray Serve asks each replica for these periodically; the prefix-affinity request router weighs KV usage."""
-        return {KV_USAGE_STAT: self.engine.stats().kv_cache_usage}
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve asks each replica for these periodically; the prefix-affinity request router weighs KV usage
+        and, for a request naming a LoRA adapter, which adapters the engine holds (with their running requests)."""
+        stats: dict[str, Any] = {KV_USAGE_STAT: self.engine.stats().kv_cache_usage}
+        if self.cfg.serves_lora:
+            stats[ADAPTERS_STAT] = {adapter: self.running_by_adapter.get(adapter, 0)
+                                    for adapter in self.held_adapters | set(self.running_by_adapter)}
+        return stats
 
     async def stats(self) -> dict[str, Any]:
         engine_stats = self.engine.stats()
@@ -287,6 +309,8 @@ class LaneReplica:
             "held_for_kv_headroom": self.held_for_kv,
             "gate_waits_by_class": dict(self.gate_waits_by_class),
             "prefix_feed": self.prefix_feed.stats(),
+            **({"adapters_held": sorted(self.held_adapters), "running_by_adapter": dict(self.running_by_adapter)}
+               if self.cfg.serves_lora else {}),
         }
 
     def __del__(self):

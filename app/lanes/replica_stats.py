@@ -6,6 +6,9 @@ from typing import Any
 
 # The key of a lane replica's record_routing_stats() dict that the prefix-affinity request router weighs.
 KV_USAGE_STAT = "kv_usage"
+# The key under which it reports the LoRA adapters its engine holds: {adapter name: its requests running there}
+# (app/prefix_cache/adapter_affinity.py routes on it).
+ADAPTERS_STAT = "adapters"
 
 
 def merge_replica_stats(live: dict[str, Any], registry: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,6 +24,16 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """The LoRA adapter a request runs under: its served name, the id every engine knows it by (one per name across
+    the app), and the folder its engine loads it from."""
+
+    name: str
+    id: int
+    path: str
+
+
+@dataclass(frozen=True)
 class LaneRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +55,8 @@ class LaneRequest:
     engine_params: Any = None
     # Further keyword arguments of the engine's generate() (a reasoning parser's state).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The LoRA adapter the client named as its model (None: the base model).
+    adapter: AdapterRef | None = None
 
 
 class LaneSaturated(Exception):

@@ -39,6 +39,9 @@ class DecisionStats:
     # With a realtime reserve (realtime_reserve.py): requests routed within their own set ("preferred") or, with
     # none of it able to take them, to the other set ("fallback"). Fallbacks mean the reserve is too small or down.
     reserve_routing: dict[str, int] = field(default_factory=dict)
+    # Requests naming a LoRA adapter, by adapter_affinity's reason (loaded, spread, not loaded): how often one found
+    # its adapter already in the engine it was routed to.
+    adapter_routing: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, decision: RoutingDecision, elapsed_s: float) -> None:
@@ -51,6 +54,10 @@ class DecisionStats:
     def count_reserve_routing(self, outcome: str) -> None:
         with self._lock:
             self.reserve_routing[outcome] = self.reserve_routing.get(outcome, 0) + 1
+
+    def count_adapter_routing(self, reason: str) -> None:
+        with self._lock:
+            self.adapter_routing[reason] = self.adapter_routing.get(reason, 0) + 1
 
     def percentile_ms(self, q: float) -> float | None:
         with self._lock:
@@ -65,6 +72,7 @@ class DecisionStats:
             reasons = dict(self.reasons)
             lookups = dict(self.lookup_outcomes)
             reserve = dict(self.reserve_routing)
+            adapters = dict(self.adapter_routing)
         return {
             "p50_ms": self.percentile_ms(0.5),
             "p99_ms": self.percentile_ms(0.99),
@@ -72,6 +80,7 @@ class DecisionStats:
             "reasons": reasons,
             "lookups": lookups,
             "reserve_routing": reserve,
+            "adapter_routing": adapters,
         }
 
 

@@ -44,7 +44,8 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.config import PrefixCacheConfig
-from app.lanes.replica_stats import KV_USAGE_STAT
+from app.lanes.replica_stats import ADAPTERS_STAT, KV_USAGE_STAT
+from app.prefix_cache.adapter_affinity import adapter_root_hash, narrow_for_adapter
 from app.prefix_cache.decision_stats import (  # noqa: F401  (re-exported for the lead)
     DecisionStats,
     add_decision_observer,
@@ -70,6 +71,7 @@ LOOKUP_METHOD = "lookup"
 CHANGES_METHOD = "changes_since"
 PROMPT_TOKEN_IDS_FIELD = "prompt_token_ids"
 REQUEST_CLASS_FIELD = "request_class"
+ADAPTER_FIELD = "adapter"
 
 PrefixLookup = Callable[[list[BlockHash], int], Awaitable[Sequence[tuple[str, int]]]]
 
@@ -94,6 +96,14 @@ def extract_request_class(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> str
     """The request's class (a LaneRequest's `request_class`: "realtime", "interactive", "batch"), or None."""
     request_class = extract_request_field(args, kwargs, REQUEST_CLASS_FIELD)
     return str(getattr(request_class, "value", request_class)) if request_class is not None else None
+
+
+def extract_adapter_name(args: Sequence[Any], kwargs: Mapping[Any, Any]) -> str | None:
+    """The name of the LoRA adapter the request runs under (a LaneRequest's `adapter`), or None: the base model."""
+    adapter = extract_request_field(args, kwargs, ADAPTER_FIELD)
+    if adapter is None:
+        return None
+    return adapter.get("name") if isinstance(adapter, Mapping) else getattr(adapter, "name", None)
 
 
 def count_outcome(outcomes: dict[str, int] | None, outcome: str) -> None:
@@ -222,6 +232,7 @@ class PrefixAffinityRouter(ReportsReplicaSet, RequestRouter):
         self.max_index_entries = settings.max_entries
         self._mirror: IndexMirror | None = None
         self.policy = AffinityPolicy.from_settings(settings)
+        self.adapter_spread_at = settings.adapter_spread_at
         self.lookup_timeout_s = settings.lookup_timeout_s
         self._prefix_cache_deployment = prefix_cache_deployment
         self._prefix_cache_app = prefix_cache_app
@@ -338,9 +349,10 @@ class PrefixAffinityRouter(ReportsReplicaSet, RequestRouter):
         token_ids = (
             extract_prompt_token_ids(pending_request.args, pending_request.kwargs) if pending_request else None
         ) or []
+        adapter = extract_adapter_name(pending_request.args, pending_request.kwargs) if pending_request else None
         matched: dict[str, int] | None = None
         if len(token_ids) >= self.policy.min_prefix_tokens:
-            hashes = block_hashes(token_ids, self.block_size)
+            hashes = block_hashes(token_ids, self.block_size, adapter_root_hash(adapter))
             if self._uses_mirror():
                 # A local dictionary walk: nothing to wait for, so no budget and no event-loop round trip.
                 matched = mirror_lookup(self._mirror, hashes, self.block_size, self.stats.lookup_outcomes)
@@ -354,10 +366,21 @@ class PrefixAffinityRouter(ReportsReplicaSet, RequestRouter):
         else:
             loads = await self._candidate_loads(candidate_replicas)
         loads, fallback = self._apply_reserve(candidate_replicas, loads, pending_request)
+        if adapter is not None:
+            loads = self._narrow_for_adapter(adapter, loads)
         decision = decide(len(token_ids), [load for _, load in loads], matched, self.policy, self._rng)
         self.record_decision(decision, time.perf_counter() - started)
         replicas = [replica for replica, _ in loads]
         return rank_replicas(replicas, decision.replica_id, lambda r: r.replica_id.to_full_id_str(), fallback)
+
+    def _narrow_for_adapter(self, adapter: str, loads: list[tuple[RunningReplica, ReplicaLoad]]
+                            ) -> list[tuple[RunningReplica, ReplicaLoad]]:
+        """The candidates a request for LoRA adapter `adapter` is routed among (adapter_affinity.py): those whose
+        engines hold it, as their routing stats say."""
+        held = {load.replica_id: (replica.routing_stats or {}).get(ADAPTERS_STAT) or {} for replica, load in loads}
+        narrowing = narrow_for_adapter(adapter, [load.replica_id for _, load in loads], held, self.adapter_spread_at)
+        self.stats.count_adapter_routing(narrowing.reason.value)
+        return [(replica, load) for replica, load in loads if load.replica_id in narrowing.replica_ids]
 
     def _apply_reserve(
         self, candidates: Sequence[RunningReplica], loads: list[tuple[RunningReplica, ReplicaLoad]],

@@ -185,6 +185,7 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         add_decision_observer(self._observe_replica_routing)
         # vLLM's OpenAI serving code for this model (its renderer loads the tokenizer and chat template).
         surface = await asyncio.to_thread(OpenAISurface, cfg)
+        await surface.load_static_adapters()
         # The keys' rate-limit buckets live in the PrefixCache, shared by every Router replica.
         self.rate_limits = (RateLimiter(lambda orders: prefix_cache.rate_limit_exchange.remote(list(orders)))
                             if self.keyring.has_rate_limits else None)

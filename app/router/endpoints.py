@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.lanes.types import AdapterRef
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -39,6 +41,8 @@ class Generation:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # Why the decode handoff cannot carry this request (None: it can).
     handoff_blocker: str | None = None
+    # The LoRA adapter the client named as its model (None: the base model).
+    adapter: AdapterRef | None = None
 
 
 @dataclass

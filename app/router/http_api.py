@@ -157,14 +157,22 @@ class HttpApi:
 
     async def models(self, request: Request) -> dict[str, Any]:
         self.authenticate_http(request)
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": await self._model_cards()}
 
     async def model(self, model_id: str, request: Request) -> dict[str, Any]:
         self.authenticate_http(request)
-        if model_id != self.pipeline.model:
+        card = next((card for card in await self._model_cards() if card["id"] == model_id), None)
+        if card is None:
             raise api.OpenAIError(404, f"model {model_id!r} does not exist: this server serves "
-                                       f"{self.pipeline.model!r}", param="model", code="model_not_found")
-        return self._model_card()
+                                       f"{self.pipeline.model!r} and its adapters (GET /v1/models)", param="model",
+                                  code="model_not_found")
+        return card
+
+    async def _model_cards(self) -> list[dict[str, Any]]:
+        """The base model's card, then its LoRA adapters' as vLLM's server lists them (parent: the base model)."""
+        adapters = [card for card in await self.pipeline.surface.model_cards() if card.get("parent")]
+        return [self._model_card()] + [{**card, "created": self.pipeline.serving_since, "owned_by": "llm-lanes",
+                                        "max_model_len": self.pipeline.cfg.model.max_model_len} for card in adapters]
 
     def _model_card(self) -> dict[str, Any]:
         model = self.pipeline.cfg.model

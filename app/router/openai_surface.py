@@ -48,7 +48,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.config import AppConfig
-from app.lanes.engine import engine_args_dict
+from app.lanes.engine import check_adapter, engine_args_dict
+from app.lanes.types import AdapterRef
 from app.router import openai_api as api
 from app.router.endpoints import Answer, Endpoint, Generation
 from app.router.handoff import handoff_blocker
@@ -159,15 +160,22 @@ class _LaneEngineClient:
     dead_error = None
     is_running = True
 
-    def __init__(self, vllm_config, renderer):
+    def __init__(self, vllm_config, renderer, max_lora_rank: int | None = None):
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.renderer = renderer
         # Engine-side input processing (logit_bias ids, max logprobs, grammar compile) happens in the lane's AsyncLLM.
         self.input_processor = None
+        self.max_lora_rank = max_lora_rank  # the lanes' smallest (an adapter must fit every lane); None: no LoRA
 
     def check_admission(self, n: int = 1) -> None:
         """Admission is the pipeline's (per class, with 429 + Retry-After), at launch."""
+
+    async def add_lora(self, lora_request) -> None:
+        """vLLM's OpenAIServingModels asks before it lists an adapter whether it can be loaded: its files and rank
+        here (check_adapter); the lanes' engines load it at the first request naming it."""
+        check_adapter(lora_request.lora_name, lora_request.lora_path, self.max_lora_rank,
+                      self.model_config.max_model_len)
 
     def generate(self, engine_input, sampling_params, request_id: str, **kwargs):
         if not engine_input.get("prompt_token_ids"):
@@ -190,9 +198,12 @@ async def _outputs(scope: _Scope, engine_input, params, request_id: str, kwargs:
     token_ids = list(engine_input["prompt_token_ids"])
     engine_kwargs = {k: v for k, v in kwargs.items()
                      if k in ("reasoning_ended", "reasoning_parser_kwargs") and v is not None}
+    lora = kwargs.get("lora_request")
+    adapter = AdapterRef(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None
     generation = Generation(request_id=request_id, prompt_token_ids=token_ids, max_tokens=params.max_tokens,
                             stop=tuple(params.stop or ()), stream=params.output_kind != RequestOutputKind.FINAL_ONLY,
-                            engine_params=params, engine_kwargs=engine_kwargs, handoff_blocker=handoff_blocker(params))
+                            engine_params=params, engine_kwargs=engine_kwargs, handoff_blocker=handoff_blocker(params),
+                            adapter=adapter)
     try:
         call = await scope.launch(generation)
     except BaseException as error:
@@ -289,7 +300,7 @@ class OpenAISurface:
         CPU-only render server builds them (vllm/entrypoints/launchers/render). 0.32's constructors."""
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
-        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath, LoRAModulePath
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
         from vllm.renderers import renderer_from_config
@@ -305,11 +316,13 @@ class OpenAISurface:
         vllm_config = VllmConfig(model_config=model_config,
                                  structured_outputs_config=_structured_outputs_config(engine_args))
         self.renderer = renderer_from_config(vllm_config)
-        self.engine_client = _LaneEngineClient(vllm_config, self.renderer)
+        self.engine_client = _LaneEngineClient(vllm_config, self.renderer, cfg.max_lora_rank)
         chat_template = _load_chat_template(model.chat_template)
-        self.models = OpenAIServingModels(engine_client=self.engine_client,
-                                          base_model_paths=[BaseModelPath(name=model.served_name,
-                                                                          model_path=model.source)])
+        self.models = OpenAIServingModels(
+            engine_client=self.engine_client,
+            base_model_paths=[BaseModelPath(name=model.served_name, model_path=model.source)],
+            lora_modules=[LoRAModulePath(name=adapter.name, path=adapter.path, base_model_name=model.served_name)
+                          for adapter in model.adapters] or None)
         common = dict(chat_template=chat_template, chat_template_content_format="auto",
                       enable_auto_tools=model.enable_auto_tool_choice, tool_parser=model.tool_call_parser,
                       reasoning_parser=model.reasoning_parser or "")
@@ -375,10 +388,18 @@ class OpenAISurface:
                                        f"{chars // self.max_token_chars}: shorten it",
                                   param=endpoint.prompt_param, code="context_length_exceeded")
 
+    async def load_static_adapters(self) -> None:
+        """List model.adapters; ValueError names the first that cannot be served (`_LaneEngineClient.add_lora`)."""
+        await self.models.init_static_loras()
+
+    async def model_cards(self) -> list[dict[str, Any]]:
+        """vLLM's GET /v1/models: the base model, then each adapter (parent: the base model, root: its folder)."""
+        return [card.model_dump(mode="json") for card in (await self.models.show_available_models()).data]
+
     def serves_model(self, name: Any) -> bool:
-        """Whether a request naming model `name` reaches the served model (no name: it does); for another name vLLM's
-        code answers 404 model_not_found once it takes the request."""
-        return not name or (isinstance(name, str) and self.models.is_base_model(name))
+        """Whether model `name` is served (none: the base model; or an adapter); else vLLM's code answers 404."""
+        return not name or (isinstance(name, str) and (self.models.is_base_model(name)
+                                                       or name in self.models.lora_requests))
 
     def check_sampling(self, endpoint: Endpoint, request, max_tokens: int) -> None:
         """Refuse (400, as vLLM's server does) what vLLM's serving code refuses of the request's sampling parameters,

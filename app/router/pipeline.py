@@ -95,6 +95,7 @@ class RequestPipeline:
             trace_carrier=record.carrier(),
             engine_params=generation.engine_params,
             engine_kwargs=generation.engine_kwargs,
+            adapter=generation.adapter,
         )
         record.request_class = request_class
         return RequestContext(endpoint, request_class, lane_request, record, generation.max_tokens,

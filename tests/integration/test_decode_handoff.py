@@ -4,7 +4,8 @@ hot lane alone gives for a greedy request, with every token counted once. Its ow
 with serve_configs/gpu-single.yaml's Ray Serve replica settings (gRPC between replicas, user code
 and request routers on each replica's main loop), the combination that file ships. The hot lane has two replicas,
 one kept for realtime requests (admission.realtime_reserved_hot_replicas: 1), as
-serve_configs/gpu-single.yaml has on the H200."""
+serve_configs/gpu-single.yaml has on the H200. Both lanes run vLLM's multi-LoRA with two tiny adapters, whose own
+tests (test_lora.py) share the app: these tests send the base model's requests."""
 
 from __future__ import annotations
 
@@ -34,8 +35,22 @@ APP = "decode-handoff"
 pytestmark = pytest.mark.app(APP)
 
 
+# Rank 8 (make_tiny_lora's default). The host-memory cache holds both and, on CPU, the identity adapter the base
+# model runs under (app/lanes/engine.py); one step mixes at most two.
+LORA = {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4}
+ADAPTER_SEEDS = {"tiny-lora-a": 1, "tiny-lora-b": 2}
+
+
 def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
+    from app.tools.make_tiny_lora import make_tiny_lora
+
     document, args = local_test_document(tiny_model)
+    args["model"]["adapters"] = []
+    for name, seed in ADAPTER_SEEDS.items():
+        make_tiny_lora(tiny_model, tmp_dir / name, seed)
+        args["model"]["adapters"].append({"name": name, "path": str(tmp_dir / name)})
+    for lane in ("hot_lane", "cold_lane"):
+        args[lane]["engine"]["lora"] = dict(LORA)
     args["admission"]["interactive_decode_handoff_tokens"] = 1
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
     args["hot_lane"]["deployment"]["num_replicas"] = HOT_REPLICAS

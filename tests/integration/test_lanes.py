@@ -217,3 +217,16 @@ def test_cold_engine_processes_run_where_local_yaml_places_them(app_url, tiny_mo
     assert os.getpriority(os.PRIO_PROCESS, engine_cores[0]) == engine.cpu_nice == 19
     assert os.getpriority(os.PRIO_PROCESS, workers[0]) == 19
     assert os.getpriority(os.PRIO_PROCESS, replica) < 19  # the frontend answers the Router at Ray's niceness
+
+
+def test_the_lane_replicas_logs_go_on_after_their_engines_start(app_url, served_model):
+    """Ray Serve's log handlers of a lane replica still write once its engine has started (vLLM's logging set-up
+    closes every handler that exists when it runs: app.lanes.engine.configure_vllm_logging), so the replica's log
+    has its "Finished initializing" line, and its records are written, not kept in memory."""
+    from pathlib import Path
+
+    logs = Path("/tmp/ray/session_latest/logs/serve")
+    for lane in ("HotLane", "ColdLane"):
+        files = sorted(logs.glob(f"replica_*_{lane}_*.log"), key=lambda path: path.stat().st_mtime)
+        assert files, f"no {lane} replica log under {logs}"
+        assert "Finished initializing replica" in files[-1].read_text(), files[-1]

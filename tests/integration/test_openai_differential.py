@@ -10,6 +10,7 @@ tool-call parser, auto tool choice).
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,21 +29,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model, tmp_path_factory, app_url):
-    """vLLM's own OpenAI server on the hot lane's engine arguments (started after the app: they share the cores)."""
-    document, _ = local_test_document(tiny_model)
+def vllm_own_server(document: dict, log_path: Path) -> Iterator[str]:
+    """vLLM's own OpenAI server for a serve config's document (its hot lane's engine arguments, its model
+    settings), running while the generator is: yields its URL."""
     port = free_port()
     command, env = vllm_server_command(document, port)
-    server = ServedApp(f"http://127.0.0.1:{port}", Path(tmp_path_factory.mktemp("vllm_server")) / "vllm.log",
-                       start_command=command, ready_timeout_s=START_TIMEOUT_S, ready_path="/health", lanes_path=None,
-                       env=env)
+    server = ServedApp(f"http://127.0.0.1:{port}", log_path, start_command=command, ready_timeout_s=START_TIMEOUT_S,
+                       ready_path="/health", lanes_path=None, env=env)
     server.start()
     try:
         server.wait_ready()
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model, tmp_path_factory, app_url):
+    """vLLM's own OpenAI server on the hot lane's engine arguments (started after the app: they share the cores)."""
+    document, _ = local_test_document(tiny_model)
+    yield from vllm_own_server(document, Path(tmp_path_factory.mktemp("vllm_server")) / "vllm.log")
 
 
 def test_the_app_answers_as_vllms_own_server(app_url, vllm_server, served_model):

@@ -1,0 +1,80 @@
+"""LoRA adapters at the Router: vLLM's serving code lists them, checks each one's files and rank when it is listed,
+knows their names as models, and the pipeline hands the adapter to the lane with the request. vLLM's real serving
+classes over the tiny model; fake lanes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.config import load_app_config
+from app.observability import tracing as tr
+from app.observability.metrics import LlmLanesMetrics
+from app.router import openai_api as api
+from app.router.control import TrafficControl
+from app.router.endpoints import CHAT, COMPLETION
+from app.router.openai_surface import OpenAISurface
+from app.router.pipeline import RequestPipeline
+from app.tools.make_tiny_lora import make_tiny_lora
+from tests.fakes import TINY_MODEL, FakeLane, FakeLanes, FakeMetricsModule, cpu_args, openai_surface
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory) -> dict[str, Path]:
+    openai_surface(load_app_config(cpu_args()))  # generates the tiny model if needed
+    root = tmp_path_factory.mktemp("adapters")
+    for name, seed, rank in (("tiny-a", 1, 8), ("tiny-wide", 3, 16)):
+        make_tiny_lora(TINY_MODEL, root / name, seed, rank)
+    (root / "empty").mkdir()
+    return {path.name: path for path in root.iterdir()}
+
+
+def lora_config(adapters: dict[str, Path], max_lora_rank: int = 8):
+    args = cpu_args()
+    args["model"]["adapters"] = [{"name": name, "path": str(path)} for name, path in adapters.items()]
+    for lane in ("hot_lane", "cold_lane"):
+        args[lane]["engine"]["lora"] = {"max_loras": 2, "max_lora_rank": max_lora_rank}
+    return load_app_config(args)
+
+
+async def test_adapters_are_listed_under_the_base_model_and_served_by_name(adapter_dirs):
+    surface = OpenAISurface(lora_config({"tiny-a": adapter_dirs["tiny-a"]}))
+    await surface.load_static_adapters()
+    cards = await surface.model_cards()
+    assert [(card["id"], card["parent"]) for card in cards] == [("tiny", None), ("tiny-a", "tiny")]
+    assert cards[1]["root"] == str(adapter_dirs["tiny-a"])
+    assert surface.serves_model("tiny-a") and surface.serves_model("tiny") and surface.serves_model(None)
+    assert not surface.serves_model("tiny-b")
+
+
+@pytest.mark.parametrize("adapter, max_rank, message", [
+    ("tiny-wide", 8, r"LoRA adapter 'tiny-wide': LoRA rank 16 is greater than max_lora_rank 8"),
+    ("empty", 8, r"LoRA adapter 'empty': no adapter_config.json in"),
+])
+async def test_an_adapter_that_cannot_be_served_is_refused_naming_it_and_why(adapter_dirs, adapter, max_rank,
+                                                                            message):
+    surface = OpenAISurface(lora_config({adapter: adapter_dirs[adapter]}, max_lora_rank=max_rank))
+    with pytest.raises(ValueError, match=message):
+        await surface.load_static_adapters()
+
+
+async def test_the_pipeline_hands_the_named_adapter_to_the_lane_and_none_for_the_base_model(adapter_dirs):
+    cfg = lora_config({"tiny-a": adapter_dirs["tiny-a"]})
+    surface = OpenAISurface(cfg)
+    await surface.load_static_adapters()
+    lanes = {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
+    pipeline = RequestPipeline(cfg, surface, TrafficControl(cfg), FakeLanes(lanes),
+                               LlmLanesMetrics(metrics_module=FakeMetricsModule()),
+                               tr.setup_tracing({"exporter": "none"}, component="Router"))
+    for endpoint, body in ((COMPLETION, {"prompt": "Hello", "max_tokens": 2}),
+                           (CHAT, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})):
+        answer = await pipeline.answer(endpoint, {**body, "model": "tiny-a"})
+        assert answer.response["model"] == "tiny-a"
+        await pipeline.answer(endpoint, {**body, "model": "tiny"})
+    named = [request.adapter for request in lanes["hot"].requests]
+    assert [a.name if a else None for a in named] == ["tiny-a", None, "tiny-a", None]
+    assert named[0].path == str(adapter_dirs["tiny-a"]) and named[0].id == named[2].id >= 1
+    with pytest.raises(api.OpenAIError) as refused:
+        await pipeline.answer(COMPLETION, {"prompt": "Hello", "max_tokens": 2, "model": "tiny-b"})
+    assert refused.value.status == 404
