@@ -17,7 +17,8 @@ from typing import Any
 
 from app.config import AppConfig, EngineSettings
 from app.lanes.cpu_priority import parse_cpu_list, pin_process, renice_process_tree
-from app.lanes.types import AdapterRef, EngineStats, LaneChunk, LaneReplicaLost, LaneRequest, LaneRequestInvalid
+from app.lanes.types import (BASE_ADAPTER_ID, BASE_ADAPTER_NAME, AdapterRef, EngineStats, LaneChunk, LaneReplicaLost,
+                             LaneRequest, LaneRequestInvalid)
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,7 @@ def _lora_request(adapter: AdapterRef):
 # of the engine's last LoRA slot to those without: their index, -1, picks that slot as a Python index. So with LoRA on,
 # the base model's requests run under an adapter that changes nothing (lora_B zero): every request has an adapter,
 # and each gets its own. It costs the base model's requests the LoRA path's compute, and one of max_loras' slots.
-BASE_ADAPTER_NAME = "llm-lanes-identity"
-BASE_ADAPTER_ID = 2**31 - 1
-
-
+# Its name and id are app/lanes/types.py's BASE_ADAPTER_NAME and BASE_ADAPTER_ID.
 def identity_adapter(model_dir: str) -> str:
     """A folder holding a rank-1 LoRA adapter of `model_dir` (a Llama-family layout: self_attn.o_proj) whose delta is
     zero; written once per host into the system's temporary folder."""

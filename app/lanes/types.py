@@ -33,6 +33,13 @@ class AdapterRef:
     path: str
 
 
+# The identity adapter a CPU host's engine runs the base model's requests under (app/lanes/engine.py's
+# identity_adapter says why). Named here, beside AdapterRef, so that what reads the engine's KV events can tell the
+# base model's blocks from an adapter's without importing the engine adapter.
+BASE_ADAPTER_NAME = "llm-lanes-identity"
+BASE_ADAPTER_ID = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class LaneRequest:
     request_id: str

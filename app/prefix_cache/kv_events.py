@@ -7,7 +7,9 @@ and `AllBlocksCleared()`. The block hashes there are vLLM's own; the index uses 
 vLLM upgrade cannot break routing. This module:
 
 - `KVEventTranslator` (pure): keeps vLLM block hash -> our chained hash, re-hashing each stored block's token ids
-  chained from its parent's our-hash, and accumulates net adds/removes in our hash space (`IndexUpdate`).
+  chained from its parent's our-hash, and accumulates net adds/removes in our hash space (`IndexUpdate`). A chain's
+  first block (no parent) chains from the root of the LoRA adapter it was computed under (`chain_root`), as the
+  request router hashes that adapter's prompts, so an adapter's blocks are indexed and match only its own requests.
 - `KVEventSubscriber`: a zmq.asyncio SUB socket that decodes vLLM's batches with vLLM's own msgspec types and feeds
   the translator, handing batched updates to a callback (the replica reports them to the PrefixCache deployment).
 - `ipc_endpoint` / `tcp_endpoint` / `kv_events_config`: the endpoint pair and the engine-args dict.
@@ -29,6 +31,8 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.lanes.types import BASE_ADAPTER_NAME
+from app.prefix_cache.adapter_affinity import adapter_root_hash
 from app.prefix_cache.index import ROOT_HASH, BlockHash, hash_block
 
 logger = logging.getLogger(__name__)
@@ -63,7 +67,8 @@ class TranslatorStats:
     removed_blocks: int = 0
     clears: int = 0
     skipped_unknown_parent: int = 0  # BlockStored whose parent chain we never saw
-    skipped_unsupported: int = 0  # other block size, offload tier, LoRA / multimodal / salted blocks, malformed
+    # Other block size, offload tier, multimodal / salted blocks, an adapter known only by its id, malformed.
+    skipped_unsupported: int = 0
     evicted_mappings: int = 0  # vLLM hashes forgotten to stay within max_tracked_blocks
     unknown_events: int = 0
 
@@ -103,13 +108,16 @@ class KVEventTranslator:
         parent_block_hash: VllmBlockHash | None,
         token_ids: Sequence[int],
         block_size: int,
+        root: BlockHash = ROOT_HASH,
     ) -> None:
+        """`root`: where the chain starts if the block has no parent (`chain_root` of the block's adapter); a block
+        with a parent continues its parent's chain, which started from its own root."""
         if block_size != self.block_size or len(token_ids) != len(block_hashes) * block_size:
             # Hybrid-model partial blocks or masked (skipped) blocks: token ids no longer line up with hashes.
             self.stats.skipped_unsupported += 1
             return
         if parent_block_hash is None:
-            parent = ROOT_HASH
+            parent = root
         else:
             known_parent = self._ours.get(parent_block_hash)
             if known_parent is None:
@@ -160,7 +168,8 @@ class KVEventTranslator:
             if not _routable_store(event):
                 self.stats.skipped_unsupported += 1
                 return
-            self.block_stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size)
+            self.block_stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                              root=chain_root(getattr(event, "lora_name", None)))
         elif kind == "BlockRemoved":
             if getattr(event, "medium", None) not in ROUTABLE_MEDIA or getattr(event, "group_idx", None) not in (
                 None,
@@ -208,19 +217,40 @@ class KVEventTranslator:
         self._removes[ours] = None
 
 
+def chain_root(lora_name: str | None) -> BlockHash:
+    """Where the chain of a block stored under `lora_name` (None: no adapter) starts: the adapter's own root, as the
+    request router hashes its prompts (adapter_affinity.adapter_root_hash). The identity adapter's blocks are the base
+    model's (a CPU host's engine runs the base model's requests under it), so they chain from ROOT_HASH."""
+    if lora_name == BASE_ADAPTER_NAME:
+        return ROOT_HASH
+    return adapter_root_hash(lora_name)
+
+
 def _routable_store(event: Any) -> bool:
-    """Blocks whose reuse depends on more than token ids (LoRA, multimodal inputs, cache salt) or that live in an
-    offload tier or another KV-cache group are not routable by token ids alone."""
+    """Blocks whose reuse depends on more than token ids and adapter (multimodal inputs, cache salt, prompt
+    embeddings), that live in an offload tier or another KV-cache group, or whose adapter has no name to key its chain
+    by (a lora_id alone) are not routable."""
     if getattr(event, "medium", None) not in ROUTABLE_MEDIA:
         return False
     if getattr(event, "group_idx", None) not in (None, 0):
         return False
-    if getattr(event, "lora_name", None) is not None or getattr(event, "lora_id", None) is not None:
+    lora_name = getattr(event, "lora_name", None)
+    if lora_name is None and getattr(event, "lora_id", None) is not None:
         return False
     if getattr(event, "locality", None) not in (None, "LOCAL"):
         return False
     extra_keys = getattr(event, "extra_keys", None)
-    return not (extra_keys and any(k for k in extra_keys))
+    return not (extra_keys and any(_keys_besides_adapter(keys, lora_name) for keys in extra_keys))
+
+
+def _keys_besides_adapter(block_keys: Sequence[Any] | None, lora_name: str | None) -> Sequence[Any]:
+    """One block's extra keys (vLLM's, untagged) less its adapter's name, which vLLM lists first for every block
+    computed under an adapter: the chain's root already stands for the adapter."""
+    if not block_keys:
+        return ()
+    if lora_name is not None and block_keys[0] == lora_name:
+        return block_keys[1:]
+    return block_keys
 
 
 # --- engine configuration ----------------------------------------------------------------------------------------

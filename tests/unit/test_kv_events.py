@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.lanes.types import BASE_ADAPTER_ID, BASE_ADAPTER_NAME
+from app.prefix_cache.adapter_affinity import adapter_root_hash
 from app.prefix_cache.index import PrefixIndex, block_hashes
 from app.prefix_cache.kv_events import (
     IndexUpdate,
@@ -109,7 +111,8 @@ def test_rereported_block_refreshes_without_double_counting():
         stored([1], None, tokens(8), block_size=8),  # another block size than the index's
         stored([1, 2], None, tokens(4)),  # token ids do not line up with hashes (masked blocks)
         stored([1], None, tokens(4), medium="CPU"),  # offload tier
-        stored([1], None, tokens(4), lora_name="adapter", lora_id=3),
+        stored([1], None, tokens(4), lora_id=3),  # an adapter known only by its id: no name to key its chain by
+        stored([1], None, tokens(4), lora_name="sql", lora_id=3, extra_keys=[("sql", "salt")]),  # and a cache salt
         stored([1], None, tokens(4), extra_keys=[("salt",)]),  # cache salt / multimodal
         stored([1], None, tokens(4), group_idx=1),  # another KV cache group
     ],
@@ -118,6 +121,48 @@ def test_unroutable_blocks_are_skipped(event):
     t = KVEventTranslator(BLOCK)
     t.apply_event(event)
     assert t.drain().is_empty() and t.stats.skipped_unsupported == 1
+
+
+def adapter_stored(hashes, parent, token_ids, name, adapter_id=3):
+    """A BlockStored as vLLM's block pool makes it for a request under an adapter: every block's extra keys are the
+    adapter's name."""
+    return stored(hashes, parent, token_ids, lora_name=name, lora_id=adapter_id,
+                  extra_keys=[(name,)] * len(hashes))
+
+
+def test_an_adapters_blocks_rehash_as_the_router_hashes_its_prompts():
+    prompt = tokens(12)
+    t = KVEventTranslator(BLOCK)
+    t.apply_event(adapter_stored([101, 102], None, prompt[:8], "sql"))
+    t.apply_event(adapter_stored([103], 102, prompt[8:], "sql"))  # a child continues its parent's chain
+    ours = block_hashes(prompt, BLOCK, adapter_root_hash("sql"))
+    assert t.drain() == IndexUpdate(adds=ours, removes=[], cleared=False)
+    assert t.our_hash(103) == ours[2] and t.stats.skipped_unsupported == 0
+    index = PrefixIndex(max_entries=1000)
+    index.add("r", ours)
+    assert index.longest_matches(block_hashes(prompt, BLOCK), BLOCK) == []  # the base model's prompt: no match
+    t.apply_event(removed([103]))
+    assert t.drain().removes == [ours[2]]
+
+
+def test_the_identity_adapters_blocks_are_the_base_models():
+    prompt = tokens(8)
+    t = KVEventTranslator(BLOCK)
+    t.apply_event(adapter_stored([1, 2], None, prompt, BASE_ADAPTER_NAME, BASE_ADAPTER_ID))
+    assert t.drain().adds == block_hashes(prompt, BLOCK)
+
+
+def test_two_adapters_and_the_base_model_never_share_a_block():
+    prompt = tokens(8)
+    t = KVEventTranslator(BLOCK)
+    # vLLM's own hashes differ too (the adapter is in its block key), so each store is its own mapping.
+    t.apply_event(adapter_stored([1, 2], None, prompt, "sql", 3))
+    t.apply_event(adapter_stored([11, 12], None, prompt, "chat", 4))
+    t.apply_event(stored([21, 22], None, prompt))
+    adds = t.drain().adds
+    assert len(adds) == len(set(adds)) == 6
+    assert adds == (block_hashes(prompt, BLOCK, adapter_root_hash("sql"))
+                    + block_hashes(prompt, BLOCK, adapter_root_hash("chat")) + block_hashes(prompt, BLOCK))
 
 
 def test_extra_keys_of_none_per_block_are_plain_blocks():
@@ -192,6 +237,22 @@ def test_decodes_the_publishers_msgpack_with_vllms_types(hash_type):
     assert t.drain() == IndexUpdate(adds=ours[:2], removes=[ours[2]])
     t.apply_events(batch.events[3:])
     assert t.drain() == IndexUpdate(adds=block_hashes(prompt, BLOCK)[:1], removes=[], cleared=True)
+
+
+def test_decodes_an_adapters_blocks_as_vllms_block_pool_publishes_them():
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+    prompt = tokens(12)
+    # vLLM keys an adapter's blocks by ("lora", name, path) and publishes each block's keys untagged.
+    keys = to_event_extra_keys([(("lora", "sql", "/adapters/sql"),)] * 3)
+    event = BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=prompt, block_size=BLOCK,
+                        lora_id=3, medium="GPU", lora_name="sql", extra_keys=keys, group_idx=0)
+    batch = make_event_batch_decoder()(msgspec.msgpack.Encoder().encode(vllm_batch([event])))
+    t = KVEventTranslator(BLOCK)
+    t.apply_events(batch.events)
+    assert t.drain().adds == block_hashes(prompt, BLOCK, adapter_root_hash("sql"))
 
 
 def test_kv_events_config_is_accepted_by_vllm():
