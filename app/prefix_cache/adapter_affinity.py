@@ -20,7 +20,9 @@ load it on two replicas, never on every one.
 
 Prefix affinity works within an adapter: KV blocks computed under one adapter are never another's (vLLM keys its
 cached blocks by the adapter too), so the prefix hashes of an adapter's prompts start from the adapter's own root
-(`adapter_root_hash`) and never match the base model's or another adapter's.
+(`adapter_root_hash`) and never match the base model's or another adapter's. The KV-event feed chains the blocks an
+engine stores under an adapter from the same root (kv_events.chain_root), so an adapter's request finds the replicas
+holding its prefix among the candidates narrowed here.
 """
 
 from __future__ import annotations
