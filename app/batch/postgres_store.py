@@ -27,6 +27,7 @@ class PostgresBatchStore(SqlBatchStore):
     float_type = "DOUBLE PRECISION"
     claim_lock_clause = " FOR UPDATE OF l SKIP LOCKED"
     schema_lock_statement = f"SELECT pg_advisory_xact_lock({SCHEMA_ADVISORY_LOCK_KEY})"
+    adapter_lock_statement = "LOCK TABLE llm_lanes_lora_adapters IN SHARE ROW EXCLUSIVE MODE"
 
     def __init__(self, url: str, **kwargs: Any):
         super().__init__(**kwargs)

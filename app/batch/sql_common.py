@@ -69,6 +69,15 @@ CREATE TABLE IF NOT EXISTS llm_lanes_batch_lines (
     PRIMARY KEY (batch_id, line_no)
 );
 CREATE INDEX IF NOT EXISTS llm_lanes_lines_state ON llm_lanes_batch_lines (state, batch_id);
+CREATE TABLE IF NOT EXISTS llm_lanes_lora_adapters (
+    id BIGINT PRIMARY KEY,
+    name TEXT NOT NULL,
+    path TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reserved_at {float} NOT NULL,
+    settled_at {float}
+);
+CREATE INDEX IF NOT EXISTS llm_lanes_lora_adapters_name ON llm_lanes_lora_adapters (name, state);
 """
 
 # Tables that gained a tenant column: a database created before it gets the column, its rows the default tenant.
@@ -149,6 +158,10 @@ class SqlStoreBase(BatchStore):
 
     # A statement run first in the schema transaction so that processes starting together don't race on DDL.
     schema_lock_statement: str | None = None
+
+    # A statement run first in a transaction that gives out adapter ids, where the write transaction alone does not
+    # keep two writers from reading the same largest id (PostgreSQL's READ COMMITTED).
+    adapter_lock_statement: str | None = None
 
     @abc.abstractmethod
     def _columns(self, table: str) -> set[str]:

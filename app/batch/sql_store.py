@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from app.batch import openai_shapes as shapes
 from app.batch.sql_common import _BATCH_COLUMNS, _batch_from_row, _dumps, _loads, tenant_clause
+from app.batch.sql_adapters import SqlAdapterStore
 from app.batch.sql_lines import SqlLineStore
 from app.batch.store import (
     ACTIVE_BATCH_STATUSES, FINISHED_BATCH_STATUSES, LINE_CANCELLED, LINE_DONE, LINE_FAILED, LINE_LEASED, LINE_QUEUED,
@@ -12,7 +13,7 @@ from app.batch.store import (
 )
 
 
-class SqlBatchStore(SqlLineStore):
+class SqlBatchStore(SqlLineStore, SqlAdapterStore):
     """The store's logic in SQL common to SQLite and PostgreSQL: files and batches here, lines in SqlLineStore, the
     backend hooks in SqlStoreBase (which the backends implement).
 

@@ -35,6 +35,13 @@ LINE_CANCELLED = "cancelled"
 # The tenant of every file and batch when the app runs without keys, and of rows stored before tenants existed.
 DEFAULT_TENANT = "default"
 
+# A LoRA adapter loaded at run time (app.batch.sql_adapters): reserved while the lanes try it, then ready (served) or
+# refused; unloaded when an admin unloads or replaces it. Its id is never given to another adapter.
+ADAPTER_LOADING = "loading"
+ADAPTER_READY = "ready"
+ADAPTER_REFUSED = "refused"
+ADAPTER_UNLOADED = "unloaded"
+
 ACTIVE_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 FINISHED_BATCH_STATUSES = shapes.TERMINAL_BATCH_STATUSES
 
@@ -146,6 +153,16 @@ class BacklogStats:
 
 
 @dataclass(frozen=True)
+class AdapterRecord:
+    """A LoRA adapter loaded at run time: `id` is the engines' adapter id (vLLM caches adapters by it)."""
+
+    id: int
+    name: str
+    path: str
+    state: str
+
+
+@dataclass(frozen=True)
 class BatchPage:
     data: list[BatchRecord]
     has_more: bool
@@ -227,6 +244,26 @@ class BatchStore(abc.ABC):
 
     @abc.abstractmethod
     def backlog_stats(self) -> BacklogStats: ...
+
+    # LoRA adapters loaded at run time: every Router replica reads the same set, and a restart keeps it.
+    @abc.abstractmethod
+    def reserve_adapter(self, name: str, path: str, replace: bool, first_id: int,
+                        stale_after_s: float) -> AdapterRecord:
+        """A new id for adapter `name` at `path`, in state loading. InvalidRequestError when a ready adapter has the
+        name and `replace` is false, ConflictError while another load of the name is under way (one reserved less
+        than `stale_after_s` ago). Ids start at `first_id` and are never reused."""
+
+    @abc.abstractmethod
+    def settle_adapter(self, adapter_id: int, ready: bool) -> AdapterRecord:
+        """A reserved adapter becomes ready (the one it replaces, if any, unloaded) or refused."""
+
+    @abc.abstractmethod
+    def unload_adapter(self, name: str) -> AdapterRecord:
+        """The ready adapter `name` is unloaded (NotFoundError if there is none)."""
+
+    @abc.abstractmethod
+    def ready_adapters(self) -> list[AdapterRecord]:
+        """The adapters served now, by id."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

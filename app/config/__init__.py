@@ -25,6 +25,9 @@ from app.config.security import REQUEST_CLASS_NAMES, TENANT_PATTERN, ApiKeyConfi
 
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"
+# The adapter the lanes' engines run the base model's requests under on a CPU host (app/lanes/engine.py,
+# identity_adapter): no served adapter may take its name.
+IDENTITY_ADAPTER_NAME = "llm-lanes-identity"
 
 
 class LoraAdapterConfig(StrictModel):
@@ -327,6 +330,11 @@ class AppConfig(StrictModel):
         lane's requests served by the other)."""
         if not self.model.adapters:
             return
+        reserved = {self.model.served_name, IDENTITY_ADAPTER_NAME}
+        for adapter in self.model.adapters:
+            if adapter.name in reserved:
+                raise ValueError(f"model.adapters: {adapter.name!r} is the base model's name or the lanes' identity "
+                                 "adapter's: give the adapter another name")
         for lane_name in ("hot_lane", "cold_lane"):
             lane = getattr(self, lane_name)
             if lane is not None and lane.engine.lora is None:

@@ -25,7 +25,10 @@ class ApiKeyConfig(StrictModel):
     classes: list[Literal["realtime", "interactive", "batch"]] = Field(
         default_factory=lambda: list(REQUEST_CLASS_NAMES),
         description="Request classes the key may use; another class is refused with 403.")
-    admin: bool = Field(False, description="May call /v1/admin/* and gRPC GetStats.")
+    admin: bool = Field(False, description="May call /v1/admin/*, gRPC GetStats and the LoRA load/unload endpoints.")
+    # null: every adapter the app serves. A list: only those (and always the base model); another adapter is 404
+    # for the key, as a model that does not exist, and is not in its GET /v1/models.
+    adapters: list[str] | None = Field(None, description="LoRA adapters (model names) the key may use.")
     # Over either: 429 (None: no limit). Tokens: prompt + max_tokens at admission, the ungenerated given back.
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)

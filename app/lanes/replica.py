@@ -20,7 +20,7 @@ from app.observability.memory import start_memory_snapshots
 from app.lanes.engine import configure_vllm_logging
 from app.lanes.engine_reaper import start_engine_reaper
 from app.lanes.replica_stats import ADAPTERS_STAT, KV_USAGE_STAT
-from app.lanes.types import EngineStats, LaneChunk, LaneRequest, LaneSaturated
+from app.lanes.types import AdapterRef, EngineStats, LaneChunk, LaneRequest, LaneSaturated
 from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
 from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
 from app.classes import RequestClass
@@ -263,6 +263,16 @@ class LaneReplica:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def try_adapter(self, adapter: AdapterRef) -> str | None:
+        """Load LoRA adapter `adapter` into this replica's engine (a run-time load is tried on each lane before it
+        is served): None, or why the engine refuses it. A refusal leaves the engine and its adapters as they were."""
+        try:
+            await self.engine.load_adapter(adapter)
+        except ValueError as error:
+            return str(error)
+        self.held_adapters |= {adapter.name}
+        return None
 
     def _publish_engine_metrics(self, engine_stats: EngineStats) -> None:
         self.metrics.set_kv_cache_usage(engine_stats.kv_cache_usage, lane=self.lane)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.classes import RequestClass
+from app.config import IDENTITY_ADAPTER_NAME
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class AdapterRef:
 # The identity adapter a CPU host's engine runs the base model's requests under (app/lanes/engine.py's
 # identity_adapter says why). Named here, beside AdapterRef, so that what reads the engine's KV events can tell the
 # base model's blocks from an adapter's without importing the engine adapter.
-BASE_ADAPTER_NAME = "llm-lanes-identity"
+BASE_ADAPTER_NAME = IDENTITY_ADAPTER_NAME
 BASE_ADAPTER_ID = 2**31 - 1
 
 

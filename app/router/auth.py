@@ -39,9 +39,15 @@ class Principal:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     key_id: str = "open"  # the first 16 hex digits of the key's hash: which rate-limit buckets it draws from
+    # The LoRA adapters the key may use (None: every one); the base model is always allowed.
+    adapters: frozenset[str] | None = None
 
     def may_use(self, request_class: RequestClass) -> bool:
         return request_class in self.classes
+
+    def may_use_model(self, name: str | None, base_model: str) -> bool:
+        """Whether the key may name model `name` (none, or the base model's name: the base model)."""
+        return self.adapters is None or not name or name == base_model or name in self.adapters
 
 
 # auth.mode none: one tenant, every class, every endpoint.
@@ -111,7 +117,7 @@ class KeyRing:
                 tenant=key.tenant, label=key.name or key.sha256[:8],
                 classes=frozenset(RequestClass(name) for name in key.classes), admin=key.admin,
                 requests_per_minute=key.requests_per_minute, tokens_per_minute=key.tokens_per_minute,
-                key_id=key.sha256[:16])
+                key_id=key.sha256[:16], adapters=frozenset(key.adapters) if key.adapters is not None else None)
         unknown = sorted(set(auth.tenant_weights) - {p.tenant for p in self._principals.values()})
         if unknown:
             raise KeySourceError(f"auth.tenant_weights names {', '.join(map(repr, unknown))}, the tenant of no key: "
@@ -120,6 +126,17 @@ class KeyRing:
             raise KeySourceError("auth.mode is 'keys' but no key is configured: add auth.keys (SHA-256 hashes), "
                                  "auth.keys_file or auth.keys_env, or set auth.mode: none explicitly to serve "
                                  "without keys (only where nobody else can reach the app)")
+
+    def tenant_adapters(self, tenant: str) -> frozenset[str] | None:
+        """The LoRA adapters the keys of `tenant` may use together (None: every one), which its batch lines run
+        with: a batch belongs to its tenant, not to the key that created it."""
+        allowed: set[str] = set()
+        for principal in self._principals.values():
+            if principal.tenant == tenant:
+                if principal.adapters is None:
+                    return None
+                allowed |= principal.adapters
+        return frozenset(allowed) if not self.open else None
 
     @classmethod
     def from_config(cls, auth: AuthConfig, environ: Mapping[str, str] | None = None) -> "KeyRing":

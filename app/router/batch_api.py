@@ -46,15 +46,17 @@ def openai_error_from_store(error: BatchStoreError) -> api.OpenAIError:
                            code={404: "not_found", 409: "conflict"}.get(status))
 
 
-async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
-    """One batch line through the same validation and lane path as an HTTP request, at batch class.
+async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine,
+                             adapters: frozenset[str] | None = None) -> dict[str, Any]:
+    """One batch line through the same validation and lane path as an HTTP request, at batch class. `adapters`: the
+    LoRA adapters the batch's tenant may use (None: every one).
 
     Batch work is never refused for load: while its lane is unavailable (breaker open, replica restarting) the
     line waits here, its lease renewed by the dispatcher, instead of spending its attempts in seconds.
     """
     waited_s = 0.0
     while True:
-        result = await _execute_batch_line_once(pipeline, line)
+        result = await _execute_batch_line_once(pipeline, line, adapters)
         error = result["body"].get("error") if isinstance(result["body"], dict) else None
         lane_down = result["status_code"] == 503 and error and error.get("code") in LANE_DOWN_CODES
         if not lane_down or waited_s >= BATCH_LANE_DOWN_MAX_WAIT_S:
@@ -63,11 +65,13 @@ async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine) -> di
         waited_s += BATCH_LANE_DOWN_RETRY_S
 
 
-async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine) -> dict[str, Any]:
+async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine,
+                                   adapters: frozenset[str] | None) -> dict[str, Any]:
     endpoint = ENDPOINTS_BY_PATH[line.url]
     # The batch's tenant (its key's batch class was checked when the batch was created; no rate limit: batch work
     # waits, it is never refused).
-    principal = dataclasses.replace(OPEN_PRINCIPAL, tenant=line.tenant, label="batch", admin=False)
+    principal = dataclasses.replace(OPEN_PRINCIPAL, tenant=line.tenant, label="batch", admin=False,
+                                    adapters=adapters)
     body = {**line.body, "service_tier": "flex"} if isinstance(line.body, dict) else line.body
     try:
         answer = await pipeline.answer(endpoint, body, stream=False, principal=principal)

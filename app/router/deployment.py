@@ -25,6 +25,7 @@ from app.prefix_cache.decision_stats import add_decision_observer, all_decision_
 from app.prefix_cache.mirror import mirror_stats
 from app.prefix_cache.replica_sets import routable_replicas
 from app.router.auth import KeyRing
+from app.router.adapter_api import ADAPTER_ROUTES, AdapterApi
 from app.router.batch_api import BATCH_ROUTES, BatchApi, execute_batch_line, openai_error_from_store
 from app.router.control import TrafficControl
 from app.router.body_limit import BodyLimits
@@ -154,7 +155,7 @@ async def serve_details() -> dict[str, Any]:
     return await client._controller.get_serve_instance_details.remote()
 
 
-class RouterReplica(HttpApi, BatchApi, GrpcApi):
+class RouterReplica(HttpApi, BatchApi, AdapterApi, GrpcApi):
     async def __init__(self, app_args: dict[str, Any], hot_lane, cold_lane, prefix_cache):
 
         from app.batch.dispatcher import BatchDispatcher
@@ -194,8 +195,15 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
         batch = cfg.batch
         self.batch_store = await asyncio.to_thread(open_batch_store, batch.store)
         # Every Router replica drains the durable queue; the store's leases keep two from running the same line.
-        self.dispatcher = BatchDispatcher(self.batch_store, lambda line: execute_batch_line(self.pipeline, line), batch)
+        self.dispatcher = BatchDispatcher(
+            self.batch_store,
+            lambda line: execute_batch_line(self.pipeline, line, self.keyring.tenant_adapters(line.tenant)), batch)
         self._dispatcher_task = asyncio.create_task(self.dispatcher.run())
+        # LoRA adapters loaded at run time (adapter_api.py): the store's set now, then re-read every second.
+        self._adapter_sync_task = None
+        if cfg.serves_lora:
+            await self.sync_adapters()
+            self._adapter_sync_task = asyncio.create_task(self.sync_adapters_forever())
         self._backlog_metrics_task = asyncio.create_task(self._publish_backlog_metrics_forever())
         self._rate_limit_task = asyncio.create_task(self._return_idle_allowances_forever())
         freeze_startup_heap()
@@ -266,6 +274,8 @@ class RouterReplica(HttpApi, BatchApi, GrpcApi):
             return  # stopped while __init__ ran (the app shut down as it started): nothing of it runs yet
         self._backlog_metrics_task.cancel()
         self._rate_limit_task.cancel()
+        if self._adapter_sync_task is not None:
+            self._adapter_sync_task.cancel()
         self.tracing.shutdown()
         if getattr(self, "memory_snapshots", None) is not None:
             self.memory_snapshots.stop()
@@ -287,4 +297,4 @@ def with_routes(cls: type, fastapi_app, routes: dict) -> type:
 
 http_app = make_http_app({BatchStoreError: openai_error_from_store})
 Router = serve.deployment(name=ROUTER_DEPLOYMENT)(
-    serve.ingress(http_app)(with_routes(RouterReplica, http_app, {**HTTP_ROUTES, **BATCH_ROUTES})))
+    serve.ingress(http_app)(with_routes(RouterReplica, http_app, {**HTTP_ROUTES, **BATCH_ROUTES, **ADAPTER_ROUTES})))

@@ -85,7 +85,7 @@ async def refuse_unknown_query_parameters(request: Request) -> None:
 
 # OpenAI's endpoints that the Router serves, for the answer to a request for one it does not.
 _SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /v1/files and /v1/batches (OpenAI's), "
-           "POST /tokenize and /detokenize (vLLM's)")
+           "POST /tokenize, /detokenize, /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)")
 
 
 def make_http_app(extra_error_types: dict[type[Exception], Any] | None = None) -> FastAPI:
@@ -156,21 +156,23 @@ class HttpApi:
         return JSONResponse(body, status_code=status_code)
 
     async def models(self, request: Request) -> dict[str, Any]:
-        self.authenticate_http(request)
-        return {"object": "list", "data": await self._model_cards()}
+        principal = self.authenticate_http(request)
+        return {"object": "list", "data": await self._model_cards(principal)}
 
     async def model(self, model_id: str, request: Request) -> dict[str, Any]:
-        self.authenticate_http(request)
-        card = next((card for card in await self._model_cards() if card["id"] == model_id), None)
+        principal = self.authenticate_http(request)
+        card = next((card for card in await self._model_cards(principal) if card["id"] == model_id), None)
         if card is None:
             raise api.OpenAIError(404, f"model {model_id!r} does not exist: this server serves "
                                        f"{self.pipeline.model!r} and its adapters (GET /v1/models)", param="model",
                                   code="model_not_found")
         return card
 
-    async def _model_cards(self) -> list[dict[str, Any]]:
-        """The base model's card, then its LoRA adapters' as vLLM's server lists them (parent: the base model)."""
-        adapters = [card for card in await self.pipeline.surface.model_cards() if card.get("parent")]
+    async def _model_cards(self, principal: Principal) -> list[dict[str, Any]]:
+        """The base model's card, then its LoRA adapters' as vLLM's server lists them (parent: the base model): those
+        the caller's key may use."""
+        adapters = [card for card in await self.pipeline.surface.model_cards()
+                    if card.get("parent") and principal.may_use_model(card["id"], self.pipeline.model)]
         return [self._model_card()] + [{**card, "created": self.pipeline.serving_since, "owned_by": "llm-lanes",
                                         "max_model_len": self.pipeline.cfg.model.max_model_len} for card in adapters]
 

@@ -1,4 +1,5 @@
-"""The OpenAI-surface adapter: vLLM's own OpenAI protocol code at the Router. The only Router module that imports vllm.
+"""The OpenAI-surface adapter: vLLM's own OpenAI protocol code at the Router. With app/router/openai_engine_client.py
+(the engine client under vLLM's serving classes), the only Router modules that import vllm.
 
 Design. vLLM's server answers a chat or completion request in three steps: its protocol models validate the body
 (`ChatCompletionRequest` / `CompletionRequest`), `OpenAIServingChat` / `OpenAIServingCompletion` render the prompt
@@ -8,7 +9,7 @@ an `EngineClient.generate()`, and render the `RequestOutput`s they get back (n c
 through the configured `ToolParserManager` parser, reasoning content, usage). Ray Serve LLM runs those serving
 classes next to the engine in its LLMServer replica. Here the engine is one hop away, behind the Router's own
 mechanisms (classes, admission, prefix routing, spill, deadlines, decode handoff), so the Router runs vLLM's serving
-classes over a `_LaneEngineClient`: an engine client whose `generate()` is the request pipeline. The rendered token
+classes over a `LaneEngineClient`: an engine client whose `generate()` is the request pipeline. The rendered token
 ids and vLLM's SamplingParams travel in the LaneRequest (opaque to the lanes' types); the lane's engine adapter
 (app/lanes/engine.py) hands them to its AsyncLLM unchanged and sends the RequestOutputs back in its LaneChunks; here
 they go into vLLM's renderers as if from a local engine. Every field vLLM's server honours is thereby honoured with
@@ -35,14 +36,10 @@ the comparison with vLLM's own server wherever the app runs (load_tests/configs/
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import inspect
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -51,40 +48,11 @@ from app.config import AppConfig
 from app.lanes.engine import check_adapter, engine_args_dict
 from app.lanes.types import AdapterRef
 from app.router import openai_api as api
-from app.router.endpoints import Answer, Endpoint, Generation
-from app.router.handoff import handoff_blocker
-from app.router.sse import line_safe
+from app.router.endpoints import Answer, Endpoint
+from app.router.openai_engine_client import SCOPE, LaneEngineClient, Launch, Scope, client_events
 
 logger = logging.getLogger(__name__)
 
-
-# Launches one Generation through the pipeline; returns the started LaneCall (its first chunk in hand).
-Launch = Callable[[Generation], Awaitable[Any]]
-
-
-@dataclass
-class _Scope:
-    """One client request while vLLM's serving code handles it: how to launch its prompts, and what happened."""
-
-    launch: Launch
-    calls: list[Any] = field(default_factory=list)
-    # Raised by a launch (before the answer started): the answer's status.
-    error: BaseException | None = None
-    # Raised by a lane call after its start: a stream ends with this error's event, not vLLM's generic one.
-    stream_error: api.OpenAIError | None = None
-    # The output generators handed to vLLM's code: closed with the answer, so a client who leaves ends its lane calls
-    # now (vLLM's stream generator does not close the generators it reads).
-    generators: list[Any] = field(default_factory=list)
-
-    async def close(self) -> None:
-        for generator in self.generators:
-            try:
-                await generator.aclose()
-            except RuntimeError:  # still running in a task of vLLM's, which cancels it itself
-                pass
-
-
-_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("llm_lanes_openai_scope")
 
 
 def _import_vllm():
@@ -151,103 +119,6 @@ def _quiet_pipeline_refusals() -> None:
         if not any(isinstance(f, _PipelineRefusalFilter) for f in stream_logger.filters):
             stream_logger.addFilter(refusal_filter)
 
-
-class _LaneEngineClient:
-    """The engine client vLLM's serving classes call: model and renderer from the Router's VllmConfig, and
-    generate() through the request pipeline (the _Scope of the request being served)."""
-
-    errored = False
-    dead_error = None
-    is_running = True
-
-    def __init__(self, vllm_config, renderer, max_lora_rank: int | None = None):
-        self.vllm_config = vllm_config
-        self.model_config = vllm_config.model_config
-        self.renderer = renderer
-        # Engine-side input processing (logit_bias ids, max logprobs, grammar compile) happens in the lane's AsyncLLM.
-        self.input_processor = None
-        self.max_lora_rank = max_lora_rank  # the lanes' smallest (an adapter must fit every lane); None: no LoRA
-
-    def check_admission(self, n: int = 1) -> None:
-        """Admission is the pipeline's (per class, with 429 + Retry-After), at launch."""
-
-    async def add_lora(self, lora_request) -> None:
-        """vLLM's OpenAIServingModels asks before it lists an adapter whether it can be loaded: its files and rank
-        here (check_adapter); the lanes' engines load it at the first request naming it."""
-        check_adapter(lora_request.lora_name, lora_request.lora_path, self.max_lora_rank,
-                      self.model_config.max_model_len)
-
-    def generate(self, engine_input, sampling_params, request_id: str, **kwargs):
-        if not engine_input.get("prompt_token_ids"):
-            # The engine refuses it too, but only once the pipeline has admitted the request: under load the client
-            # would be told 429 for a request that can never succeed. Raised here, before any prompt of the request
-            # is launched (vLLM's serving code asks for every prompt's generator first).
-            from vllm.exceptions import VLLMValidationError
-
-            raise VLLMValidationError("The decoder prompt cannot be empty", parameter="prompt")
-        scope = _SCOPE.get()
-        outputs = _outputs(scope, engine_input, sampling_params, request_id, kwargs)
-        scope.generators.append(outputs)
-        return outputs
-
-
-async def _outputs(scope: _Scope, engine_input, params, request_id: str, kwargs: dict) -> AsyncIterator[Any]:
-    """The RequestOutputs of one prompt, from the lane call the pipeline starts for it."""
-    from vllm.sampling_params import RequestOutputKind
-
-    token_ids = list(engine_input["prompt_token_ids"])
-    engine_kwargs = {k: v for k, v in kwargs.items()
-                     if k in ("reasoning_ended", "reasoning_parser_kwargs") and v is not None}
-    lora = kwargs.get("lora_request")
-    adapter = AdapterRef(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None
-    generation = Generation(request_id=request_id, prompt_token_ids=token_ids, max_tokens=params.max_tokens,
-                            stop=tuple(params.stop or ()), stream=params.output_kind != RequestOutputKind.FINAL_ONLY,
-                            engine_params=params, engine_kwargs=engine_kwargs, handoff_blocker=handoff_blocker(params),
-                            adapter=adapter)
-    try:
-        call = await scope.launch(generation)
-    except BaseException as error:
-        scope.error = error
-        raise
-    scope.calls.append(call)
-    folded = None
-    cached_tokens = None
-    try:
-        # Closed with this generator (client gone): the lane call ends, which aborts the engine request.
-        async with contextlib.aclosing(call.chunks()) as chunks:
-            async for chunk in chunks:
-                for output in _client_outputs(chunk, token_ids, cached_tokens):
-                    if cached_tokens is None:
-                        cached_tokens = output.num_cached_tokens
-                    if generation.stream:
-                        yield output
-                    elif folded is None:
-                        folded = output
-                    else:
-                        folded.add(output, aggregate=True)
-    except api.OpenAIError as error:
-        scope.stream_error = error
-        raise
-    if folded is not None:
-        yield folded
-
-
-def _client_outputs(chunk, token_ids: list[int], cached_tokens: int | None) -> list[Any]:
-    """A lane chunk's RequestOutput as the client's engine would have sent it."""
-    output = chunk.output
-    if output is None:
-        return []
-    # The lane strips the prompt from its outputs (one copy per chunk would cross Ray); a decode handoff's
-    # continuation has the hot part's tokens in its prompt: the client's prompt is this one either way.
-    output.prompt_token_ids = token_ids
-    if cached_tokens is not None:
-        output.num_cached_tokens = cached_tokens
-    if chunk.finish_reason is None and output.finished:
-        # The hot part of a decode handoff ended at the handoff point: the answer goes on.
-        output.finished = False
-        for completion in output.outputs:
-            completion.finish_reason = completion.stop_reason = None
-    return [output]
 
 
 def _error_from_response(error_response) -> api.OpenAIError:
@@ -316,7 +187,7 @@ class OpenAISurface:
         vllm_config = VllmConfig(model_config=model_config,
                                  structured_outputs_config=_structured_outputs_config(engine_args))
         self.renderer = renderer_from_config(vllm_config)
-        self.engine_client = _LaneEngineClient(vllm_config, self.renderer, cfg.max_lora_rank)
+        self.engine_client = LaneEngineClient(vllm_config, self.renderer, cfg.max_lora_rank)
         chat_template = _load_chat_template(model.chat_template)
         self.models = OpenAIServingModels(
             engine_client=self.engine_client,
@@ -389,8 +260,29 @@ class OpenAISurface:
                                   param=endpoint.prompt_param, code="context_length_exceeded")
 
     async def load_static_adapters(self) -> None:
-        """List model.adapters; ValueError names the first that cannot be served (`_LaneEngineClient.add_lora`)."""
+        """List model.adapters; ValueError names the first that cannot be served (`LaneEngineClient.add_lora`)."""
         await self.models.init_static_loras()
+
+    def check_adapter_folder(self, name: str, path: str) -> None:
+        """ValueError naming adapter `name` and why, if its folder cannot be served here (files, rank)."""
+        check_adapter(name, path, self.cfg.max_lora_rank, self.cfg.model.max_model_len)
+
+    def set_runtime_adapters(self, adapters: Iterable[AdapterRef]) -> None:
+        """The adapters loaded at run time (the store's ready ones) beside model.adapters, under the ids the store
+        gave them: vLLM's serving models list them and serve the requests that name them; one no longer given is no
+        longer served."""
+        from vllm.lora.request import LoRARequest
+
+        static = {adapter.name for adapter in self.cfg.model.adapters}
+        wanted = {adapter.name: adapter for adapter in adapters if adapter.name not in static}
+        served = self.models.lora_requests
+        for name in [name for name in served if name not in static and name not in wanted]:
+            del served[name]
+        for name, adapter in wanted.items():
+            if name not in served or served[name].lora_int_id != adapter.id:
+                lora = LoRARequest(lora_name=name, lora_int_id=adapter.id, lora_path=adapter.path)
+                lora.base_model_name = self.cfg.model.served_name
+                served[name] = lora
 
     async def model_cards(self) -> list[dict[str, Any]]:
         """vLLM's GET /v1/models: the base model, then each adapter (parent: the base model, root: its folder)."""
@@ -416,8 +308,8 @@ class OpenAISurface:
     async def answer(self, endpoint: Endpoint, request, launch: Launch) -> Answer:
         """vLLM's serving code on `request`, each prompt launched through `launch` (the pipeline). Raises
         OpenAIError with the status vLLM's server, or the pipeline (429, 503, 504...), answers."""
-        scope = _Scope(launch)
-        token = _SCOPE.set(scope)
+        scope = Scope(launch)
+        token = SCOPE.set(scope)
         try:
             if endpoint.chat:
                 result = await self.chat.create_chat_completion(request, None)
@@ -430,7 +322,7 @@ class OpenAISurface:
                 raise scope.error from None
             raise _error_from_exception(error) from None
         finally:
-            _SCOPE.reset(token)
+            SCOPE.reset(token)
         if scope.error is not None:
             raise scope.error
         if isinstance(result, _error_response_type()):
@@ -446,7 +338,7 @@ class OpenAISurface:
             await result.aclose()
             await scope.close()
             raise scope.error
-        return Answer(scope.calls, events=_events(first, result, scope))
+        return Answer(scope.calls, events=client_events(first, result, scope))
 
     # ---- tokenize / detokenize -------------------------------------------------------------------------------------
 
@@ -486,21 +378,6 @@ class OpenAISurface:
             raise _error_from_response(result)
         return result.model_dump(mode="json")
 
-
-async def _events(first: str | None, rest: AsyncIterator[str], scope: _Scope) -> AsyncIterator[str]:
-    """vLLM's SSE events, line-safe; a lane's failure mid-stream ends them with its own error event (status, code,
-    Retry-After reason) in place of vLLM's generic one."""
-    try:
-        if first is not None:
-            yield line_safe(first)
-        async for event in rest:
-            if scope.stream_error is not None and event.startswith("data: {\"error\""):
-                yield f"data: {json.dumps(scope.stream_error.body())}\n\n"
-                return
-            yield line_safe(event)
-    finally:
-        await rest.aclose()
-        await scope.close()
 
 
 def _validation_error(error: ValidationError, prefix: tuple = ()) -> api.OpenAIError:

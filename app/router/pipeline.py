@@ -120,6 +120,7 @@ class RequestPipeline:
                 if stream is not None:
                     body = {**body, "stream": stream}
             request = self.surface.parse(endpoint, body)
+            self._check_model(request, principal)
             self._refuse_before_render(endpoint, body, request, request_class, principal)
         except api.OpenAIError as error:
             self.count_refusal(record, service_tier, class_header, error.status)
@@ -246,6 +247,12 @@ class RequestPipeline:
         return decision
 
     # ---- refusals ---------------------------------------------------------------------------------------------------
+
+    def _check_model(self, request, principal: Principal) -> None:
+        """An adapter the key may not use is a model that does not exist, for that key (vLLM's server's 404)."""
+        name = getattr(request, "model", None)
+        if not principal.may_use_model(name, self.model):
+            raise api.OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def _refuse_before_render(self, endpoint: Endpoint, body: Any, request, request_class: RequestClass,
                               principal: Principal) -> None:

@@ -4,14 +4,17 @@ classes over the tiny model; fake lanes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from app.config import load_app_config
+from app.lanes.types import AdapterRef
 from app.observability import tracing as tr
 from app.observability.metrics import LlmLanesMetrics
 from app.router import openai_api as api
+from app.router.auth import OPEN_PRINCIPAL
 from app.router.control import TrafficControl
 from app.router.endpoints import CHAT, COMPLETION
 from app.router.openai_surface import OpenAISurface
@@ -78,3 +81,35 @@ async def test_the_pipeline_hands_the_named_adapter_to_the_lane_and_none_for_the
     with pytest.raises(api.OpenAIError) as refused:
         await pipeline.answer(COMPLETION, {"prompt": "Hello", "max_tokens": 2, "model": "tiny-b"})
     assert refused.value.status == 404
+
+
+async def test_adapters_loaded_at_run_time_are_served_under_the_stores_ids_beside_the_configured_ones(adapter_dirs):
+    surface = OpenAISurface(lora_config({"tiny-a": adapter_dirs["tiny-a"]}, max_lora_rank=16))
+    await surface.load_static_adapters()
+    wide = AdapterRef("tiny-wide", 1_000_000, str(adapter_dirs["tiny-wide"]))
+    surface.set_runtime_adapters([wide, AdapterRef("tiny-a", 1_000_001, "/elsewhere")])
+    cards = {card["id"]: card for card in await surface.model_cards()}
+    assert cards["tiny-wide"]["parent"] == "tiny" and cards["tiny-wide"]["root"] == wide.path
+    assert surface.models.lora_requests["tiny-wide"].lora_int_id == 1_000_000
+    # A configured adapter keeps its folder and id: the store cannot replace it.
+    assert surface.models.lora_requests["tiny-a"].lora_int_id == 1 and cards["tiny-a"]["root"] != "/elsewhere"
+    surface.set_runtime_adapters([])
+    assert not surface.serves_model("tiny-wide") and surface.serves_model("tiny-a")
+
+
+async def test_a_key_limited_to_adapters_finds_no_other_adapter_but_always_the_base_model(adapter_dirs):
+    cfg = lora_config({"tiny-a": adapter_dirs["tiny-a"], "tiny-wide": adapter_dirs["tiny-wide"]}, max_lora_rank=16)
+    surface = OpenAISurface(cfg)
+    await surface.load_static_adapters()
+    lanes = {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
+    pipeline = RequestPipeline(cfg, surface, TrafficControl(cfg), FakeLanes(lanes),
+                               LlmLanesMetrics(metrics_module=FakeMetricsModule()),
+                               tr.setup_tracing({"exporter": "none"}, component="Router"))
+    limited = dataclasses.replace(OPEN_PRINCIPAL, adapters=frozenset({"tiny-a"}))
+    body = {"prompt": "Hello", "max_tokens": 2}
+    for model in ("tiny-a", "tiny", None):
+        await pipeline.answer(COMPLETION, {**body, **({"model": model} if model else {})}, principal=limited)
+    with pytest.raises(api.OpenAIError) as refused:
+        await pipeline.answer(COMPLETION, {**body, "model": "tiny-wide"}, principal=limited)
+    assert (refused.value.status, refused.value.param) == (404, "model")
+    assert "tiny-wide" in str(refused.value) and len(lanes["hot"].requests) == 3

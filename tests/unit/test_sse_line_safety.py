@@ -9,7 +9,7 @@ import json
 
 import httpx
 
-from app.router.openai_surface import _events, _Scope
+from app.router.openai_engine_client import Scope, client_events
 from app.router.sse import line_safe
 
 
@@ -26,8 +26,8 @@ def test_events_are_cut_into_lines_only_at_their_ends_and_keep_their_text():
     texts = ["plain", "next\u2028line", "a\x85b", "\u2029", "tab\tand\u00e9"]
 
     async def collect():
-        scope = _Scope(launch=None)
-        return [e async for e in _events(event(texts[0]), _iterate([event(t) for t in texts[1:]]), scope)]
+        scope = Scope(launch=None)
+        return [e async for e in client_events(event(texts[0]), _iterate([event(t) for t in texts[1:]]), scope)]
 
     events = asyncio.run(collect())
     stream = "".join(events).encode()
