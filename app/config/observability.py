@@ -48,4 +48,8 @@ class ObservabilityConfig(StrictModel):
     memory_snapshots: MemorySnapshotsConfig = Field(default_factory=MemorySnapshotsConfig)
     # vLLM's own engine metrics (ray_vllm_*) through its RayPrometheusStatLogger on Ray's metrics port.
     vllm_metrics: bool = True
+    model_label_limit: int = Field(
+        64, ge=1, description="adapters given a `model` label of their own in the per-model metrics "
+                              "(llm_lanes_model_*) by each Router replica: the first this many adapter names it "
+                              "serves; later ones share `other`. The base model always has its served name.")
 
