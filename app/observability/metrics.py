@@ -33,6 +33,7 @@ OUTCOME_SUCCESS, OUTCOME_ERROR, OUTCOME_REJECTED, OUTCOME_CANCELLED, OUTCOME_TIM
     "success", "error", "rejected", "cancelled", "timeout")
 OUTCOMES = (OUTCOME_SUCCESS, OUTCOME_ERROR, OUTCOME_REJECTED, OUTCOME_CANCELLED, OUTCOME_TIMEOUT)
 ADMISSION_DECISIONS = ("admit", "queue", "reject")
+TOKEN_KINDS = ("prompt", "output")  # the `kind` label of llm_lanes_model_tokens_total
 
 # Bucket boundaries (seconds). Each list includes the numbers we make claims about, so a quantile near a goal
 # is read off a boundary instead of interpolated across a wide bucket.
@@ -107,6 +108,28 @@ OUTPUT_TOKENS = MetricSpec(
     "Generated tokens by lane and class (from each finished request's usage): the throughput panels' source.",
     ("lane", "request_class"),
 )
+# Per model: the name a request was served under (the base model's served name or an adapter's), from the bounded set
+# of app/observability/model_labels.py.
+MODEL_REQUESTS = MetricSpec(
+    "llm_lanes_model_requests_total",
+    "counter",
+    "Finished generation requests by the model they were served under and outcome "
+    "(success|error|rejected|cancelled|timeout).",
+    ("model", "outcome"),
+)
+MODEL_TOKENS = MetricSpec(
+    "llm_lanes_model_tokens_total",
+    "counter",
+    "Tokens by the model they were served under and kind: prompt (requests the lane answered) or output.",
+    ("model", "kind"),
+)
+MODEL_TTFT = MetricSpec(
+    "llm_lanes_model_ttft_seconds",
+    "histogram",
+    "Time to first token by the model the request was served under (streamed requests).",
+    ("model",),
+    TTFT_BUCKETS_S,
+)
 QUEUE_DEPTH = MetricSpec(
     "llm_lanes_queue_depth",
     "gauge",
@@ -179,6 +202,9 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     E2E,
     REQUESTS,
     OUTPUT_TOKENS,
+    MODEL_REQUESTS,
+    MODEL_TOKENS,
+    MODEL_TTFT,
     QUEUE_DEPTH,
     QUEUE_WAIT,
     ADMISSION_DECISIONS_TOTAL,
@@ -250,6 +276,22 @@ class LlmLanesMetrics:
             self._metrics[OUTPUT_TOKENS.name].inc(
                 float(tokens), tags=self._tags(OUTPUT_TOKENS, {"lane": lane, "request_class": request_class})
             )
+
+    # Router: per model (`model` from app/observability/model_labels.py).
+    def count_model_request(self, *, model: str, outcome: str) -> None:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
+        self._inc(MODEL_REQUESTS, model=model, outcome=outcome)
+
+    def count_model_tokens(self, tokens: int, *, model: str, kind: str) -> None:
+        if kind not in TOKEN_KINDS:
+            raise ValueError(f"token kind {kind!r} is not one of {TOKEN_KINDS}")
+        if tokens > 0:  # Ray counters reject increments <= 0
+            self._metrics[MODEL_TOKENS.name].inc(float(tokens),
+                                                 tags=self._tags(MODEL_TOKENS, {"model": model, "kind": kind}))
+
+    def observe_model_ttft(self, seconds: float, *, model: str) -> None:
+        self._observe(MODEL_TTFT, seconds, model=model)
 
     # Router: admission.
     def set_queue_depth(self, depth: int, *, request_class: Any) -> None:

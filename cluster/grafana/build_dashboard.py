@@ -110,6 +110,21 @@ SECTIONS: list[tuple[str, list[dict]]] = [
                    "{{status}} {{lane}}"),
         ], "reqps"),
     ]),
+    ("Models and adapters", [
+        panel("Requests/s by model and outcome", [
+            target(f"sum by (model, outcome) (rate(ray_llm_lanes_model_requests_total{{{APP}}}[{RATE}]))",
+                   "{{model}} {{outcome}}"),
+        ], "reqps", "The base model under its served name, each adapter under its own (`other`: adapters past "
+                    "observability.model_label_limit)."),
+        panel("Tokens/s by model (prompt / output)", [
+            target(f"sum by (model, kind) (rate(ray_llm_lanes_model_tokens_total{{{APP}}}[{RATE}]))",
+                   "{{model}} {{kind}}"),
+        ], "short"),
+        panel("TTFT p50 / p99 by model", [
+            target(quantile(0.99, "ray_llm_lanes_model_ttft_seconds", "model"), "{{model}} p99"),
+            target(quantile(0.5, "ray_llm_lanes_model_ttft_seconds", "model"), "{{model}} p50"),
+        ], "s", "Streamed requests. Red line: the realtime P99 goal (450 ms).", thresholds=GOAL_TTFT),
+    ]),
     ("Queues and admission", [
         panel("Admission queue depth by class", [
             target(f"sum by (request_class) (ray_llm_lanes_queue_depth{{{APP}}})", "{{request_class}}"),
