@@ -22,6 +22,7 @@ from app.classes import RequestClass, UnknownRequestClass, classify, policy_for
 from app.config import AppConfig
 from app.lanes.admission import AdmissionResult
 from app.lanes.types import LaneRequest, SamplingOptions
+from app.observability.model_labels import ModelLabels
 from app.observability.tracing import SPAN_ADMIT, SPAN_CLASSIFY, SPAN_ROUTE, Tracing
 from app.router import openai_api as api
 from app.router.control import TrafficControl
@@ -49,6 +50,7 @@ class RequestPipeline:
         self.metrics = metrics
         self.tracing = tracing
         self.recent_ttft = RecentTtft()
+        self.model_labels = ModelLabels(cfg.model.served_name, cfg.observability.model_label_limit)
         # The API keys' requests and tokens per minute, app-wide (None: no key has limits).
         self.rate_limits = rate_limits
         # When this replica began serving the model: its model card's `created`.
@@ -77,6 +79,8 @@ class RequestPipeline:
                 class_header: str | None, record: RequestRecord, client_timeout_s: float | None = None,
                 principal: Principal = OPEN_PRINCIPAL) -> RequestContext:
         """Classify the prompt the OpenAI surface rendered: everything before admission. Raises OpenAIError."""
+        record.model = self.model_labels.label(generation.adapter.name if generation.adapter else None)
+        record.prompt_tokens = len(generation.prompt_token_ids)
         request_class = self.classify(service_tier, class_header, principal)
         token_ids = generation.prompt_token_ids
         limit = self.cfg.model.max_model_len

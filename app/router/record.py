@@ -69,7 +69,9 @@ class RequestRecord:
 
     Metrics: router decision time, TTFT / queue wait at the first chunk (streamed requests only: a non-streamed
     answer arrives whole, so its first chunk is its last), E2E, TPOT and output tokens at the end, and exactly one
-    requests_total sample whatever path the request ends on (success, error, 429, deadline, client gone).
+    requests_total sample whatever path the request ends on (success, error, 429, deadline, client gone). Once the
+    pipeline has named its `model` (the label it was served under), the per-model metrics too: TTFT, one
+    model_requests_total sample, and its prompt tokens (where the lane answered) and output tokens.
     Tracing: the `request` SERVER span (continuing the caller's traceparent) and its children; with tracing off no
     span exists and span_for() hands back a shared no-op context.
     """
@@ -87,6 +89,12 @@ class RequestRecord:
         self.request_class: RequestClass | str | None = None  # a str only for UNKNOWN_CLASS
         self.lane: str = LANE_NONE
         self.ttft_s: float | None = None
+        # The per-model metrics' label and prompt size, set when the request's prompt is prepared (None: a refusal
+        # before that, which the per-model metrics leave out).
+        self.model: str | None = None
+        self.prompt_tokens = 0
+        # The lane sent a first chunk: its engine took the prompt in.
+        self.answered = False
         self.finished = False
         self._admitted_at: float | None = None
         self._queue_span = None
@@ -130,11 +138,14 @@ class RequestRecord:
 
     def first_chunk(self, streamed: bool) -> None:
         now = self.clock()
+        self.answered = True
         self._end_queue_wait()
         if not streamed:
             return
         self.ttft_s = now - self.received_at
         self.metrics.observe_ttft(self.ttft_s, lane=self.lane, request_class=self.request_class)
+        if self.model is not None:
+            self.metrics.observe_model_ttft(self.ttft_s, model=self.model)
         if self.recent_ttft is not None:
             self.recent_ttft.add(str(getattr(self.request_class, "value", self.request_class)), self.lane, self.ttft_s)
         if self._admitted_at is not None:
@@ -162,6 +173,8 @@ class RequestRecord:
         self.metrics.count_output_tokens(output_tokens, lane=self.lane, request_class=request_class)
         self.metrics.count_request(lane=self.lane, request_class=request_class, outcome=outcome_for_status(status),
                                    status=status)
+        if self.model is not None:
+            self._count_for_model(status, output_tokens)
         if self.span is not None:
             from opentelemetry.trace import Status, StatusCode
 
@@ -173,6 +186,12 @@ class RequestRecord:
             if status >= 500:
                 self.span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
             self.span.end()
+
+    def _count_for_model(self, status: int, output_tokens: int) -> None:
+        self.metrics.count_model_request(model=self.model, outcome=outcome_for_status(status))
+        if self.answered:
+            self.metrics.count_model_tokens(self.prompt_tokens, model=self.model, kind="prompt")
+        self.metrics.count_model_tokens(output_tokens, model=self.model, kind="output")
 
     def _end_queue_wait(self) -> None:
         if self._queue_span is not None:
