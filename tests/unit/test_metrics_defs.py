@@ -35,6 +35,9 @@ def test_required_metrics_and_labels():
         "llm_lanes_e2e_seconds": ("lane", "request_class"),
         "llm_lanes_requests_total": ("lane", "request_class", "outcome", "status"),
         "llm_lanes_output_tokens_total": ("lane", "request_class"),
+        "llm_lanes_model_requests_total": ("model", "outcome"),
+        "llm_lanes_model_tokens_total": ("model", "kind"),
+        "llm_lanes_model_ttft_seconds": ("model",),
         "llm_lanes_queue_depth": ("request_class",),
         "llm_lanes_admission_decisions_total": ("decision", "reason", "request_class"),
         "llm_lanes_degrade_total": ("reason", "request_class"),
@@ -61,6 +64,7 @@ def test_histogram_buckets_are_increasing_positive_and_hold_the_goals():
     assert 0.45 in m.TTFT_BUCKETS_S  # realtime P99 goal
     assert 0.002 in m.ROUTER_DECISION_BUCKETS_S  # router overhead p50 goal
     assert m.E2E_BUCKETS_S[-1] >= 3600  # batch work
+    assert m.MODEL_TTFT.boundaries == m.TTFT.boundaries  # per-model TTFT reads against the same goal
 
 
 def test_exported_names_carry_rays_prefix():
@@ -112,6 +116,10 @@ def test_wrapper_converts_enums_and_status_codes_to_string_tags():
         metrics.count_request(lane="hot", request_class="batch", outcome="fine", status=200)
     with pytest.raises(ValueError):
         metrics.count_admission(decision="maybe", reason="x", request_class="batch")
+    with pytest.raises(ValueError):
+        metrics.count_model_request(model="tiny", outcome="fine")
+    with pytest.raises(ValueError):
+        metrics.count_model_tokens(3, model="tiny", kind="cached")
 
 
 def test_every_method_records_through_rays_real_metric_classes():
@@ -126,6 +134,10 @@ def test_every_method_records_through_rays_real_metric_classes():
     metrics.count_request(lane=Lane.HOT, request_class=RequestClass.REALTIME, outcome="success", status=200)
     metrics.count_output_tokens(17, lane=Lane.HOT, request_class=RequestClass.REALTIME)
     metrics.count_output_tokens(0, lane=Lane.HOT, request_class=RequestClass.REALTIME)  # skipped, not an error
+    metrics.count_model_request(model="tiny-a", outcome="success")
+    metrics.count_model_tokens(12, model="tiny-a", kind="prompt")
+    metrics.count_model_tokens(0, model="tiny-a", kind="output")  # skipped, not an error
+    metrics.observe_model_ttft(0.1, model="tiny")
     metrics.set_queue_depth(3, request_class=RequestClass.INTERACTIVE)
     metrics.observe_queue_wait(0.05, request_class=RequestClass.INTERACTIVE)
     metrics.count_admission(decision="reject", reason="queue_full", request_class=RequestClass.INTERACTIVE)
