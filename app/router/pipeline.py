@@ -50,7 +50,8 @@ class RequestPipeline:
         self.metrics = metrics
         self.tracing = tracing
         self.recent_ttft = RecentTtft()
-        self.model_labels = ModelLabels(cfg.model.served_name, cfg.observability.model_label_limit)
+        self.model_labels = ModelLabels(cfg.model.served_name, cfg.observability.model_label_limit,
+                                        [adapter.name for adapter in cfg.model.adapters])
         # The API keys' requests and tokens per minute, app-wide (None: no key has limits).
         self.rate_limits = rate_limits
         # When this replica began serving the model: its model card's `created`.

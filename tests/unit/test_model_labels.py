@@ -29,6 +29,12 @@ def test_the_base_model_does_not_take_an_adapters_place():
     assert labels.label("a") == "a" and labels.label("b") == OTHER_MODELS
 
 
+def test_the_configured_adapters_take_their_labels_first_so_every_replica_labels_them_alike():
+    labels = ModelLabels("base", limit=2, configured=["static-a", "static-b"])
+    assert labels.label("runtime") == OTHER_MODELS
+    assert labels.label("static-b") == "static-b"
+
+
 def test_the_limit_is_an_observability_setting_of_at_least_one():
     assert ObservabilityConfig().model_label_limit == 64
     assert ObservabilityConfig(model_label_limit=1).model_label_limit == 1
