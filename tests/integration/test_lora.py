@@ -1,10 +1,13 @@
 """LoRA adapters on the real CPU engines: listed as vLLM's server lists them, answered as vLLM's own server answers
-with the same adapters (chat and completions, streamed and not), carried through the decode handoff, and routed to
-the hot replica that holds them. The app is test_decode_handoff.py's (two hot replicas, so the lanes' own request
-router chooses between them; model.adapters "tiny-lora-a" and "tiny-lora-b", engine.lora on both lanes)."""
+with the same adapters (chat and completions, streamed and not), carried through the decode handoff, routed to the
+hot replica that holds them, loaded and unloaded at run time under traffic (and through the durable store, as
+another Router replica would), and named by batch lines. The app is test_decode_handoff.py's (two hot replicas, so
+the lanes' own request router chooses between them; model.adapters "tiny-lora-a" and "tiny-lora-b", engine.lora on
+both lanes)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
@@ -91,3 +94,121 @@ def test_the_decode_handoff_carries_the_adapter_to_the_cold_lane(lora_app, vllm_
     assert ours.headers["x-llm-lanes-degraded"] == "decode_on_cold"
     assert ours.json()["choices"][0]["message"]["content"] == theirs.json()["choices"][0]["message"]["content"]
     assert ADAPTERS[0] in lane_stats(lora_app.url)["cold"].get("adapters_held", [])
+
+
+def _complete(url: str, model: str, prompt: str = "The json module encodes") -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120,
+                      json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+
+
+def test_an_adapter_loaded_at_run_time_is_served_then_unloaded_while_requests_run(lora_app, served_model, tmp_path):
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter under steady requests for the base model and a
+    configured adapter: no request fails, each answer is the one its own model gives (no request runs under an
+    adapter it did not name), refused loads name why and disturb nothing, the loaded adapter answers as itself."""
+    from app.tools.make_tiny_lora import make_tiny_lora
+
+    url = lora_app.url
+    tiny_model = Path(yaml.safe_load(lora_app.config.read_text())["applications"][0]["args"]["model"]["source"])
+    make_tiny_lora(tiny_model, tmp_path / "tiny-lora-c", seed=5)
+    make_tiny_lora(tiny_model, tmp_path / "tiny-lora-wide", seed=6, rank=16)  # above max_lora_rank 8
+    expected = {model: _complete(url, model).json()["choices"][0]["text"] for model in (served_model, ADAPTERS[0])}
+    assert expected[served_model] != expected[ADAPTERS[0]]
+    answers: list[tuple[str, int, str]] = []
+    stop = threading.Event()
+
+    def steady_requests(model: str) -> None:
+        while not stop.is_set():
+            response = _complete(url, model)
+            answers.append((model, response.status_code,
+                            response.json()["choices"][0]["text"] if response.status_code == 200 else response.text))
+
+    workers = [threading.Thread(target=steady_requests, args=(model,)) for model in expected]
+    for worker in workers:
+        worker.start()
+    try:
+        load = httpx.post(f"{url}/v1/load_lora_adapter", timeout=180,
+                          json={"lora_name": "tiny-lora-c", "lora_path": str(tmp_path / "tiny-lora-c")})
+        assert load.status_code == 200 and "added successfully" in load.text, load.text
+        cards = {card["id"]: card for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+        assert cards["tiny-lora-c"]["parent"] == served_model
+        loaded = _complete(url, "tiny-lora-c")
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["choices"][0]["text"] not in expected.values()
+        for body, param in (({"lora_name": "tiny-lora-d", "lora_path": str(tmp_path / "missing")}, "lora_path"),
+                            ({"lora_name": "tiny-lora-w", "lora_path": str(tmp_path / "tiny-lora-wide")}, "lora_path"),
+                            ({"lora_name": "tiny-lora-c", "lora_path": str(tmp_path / "tiny-lora-c")}, "lora_name"),
+                            ({"lora_name": ADAPTERS[1], "lora_path": str(tmp_path / "tiny-lora-c")}, "lora_name")):
+            refused = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (body, refused.text)
+        unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "tiny-lora-c"}, timeout=60)
+        assert unload.status_code == 200 and "removed successfully" in unload.text, unload.text
+        assert _complete(url, "tiny-lora-c").status_code == 404
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "tiny-lora-c"},
+                          timeout=60).status_code == 404
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": ADAPTERS[0]},
+                          timeout=60).status_code == 400
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=180)
+    assert len(answers) >= 4, answers
+    wrong = [(model, status, text) for model, status, text in answers if status != 200 or text != expected[model]]
+    assert not wrong, wrong
+
+
+def test_a_load_another_router_made_reaches_this_one_through_the_store(lora_app, served_model, tmp_path):
+    """The adapters loaded at run time live in the durable store: what another Router replica (here the test, on
+    the same store) makes ready is served here within a few seconds, and what it unloads stops being served, as a
+    Router started later or restarted reads the set at its start."""
+    from app.batch.open_store import open_batch_store
+    from app.router.adapter_api import ADAPTER_LOAD_STALE_S, RUNTIME_ADAPTER_FIRST_ID
+    from app.tools.make_tiny_lora import make_tiny_lora
+
+    url = lora_app.url
+    args = yaml.safe_load(lora_app.config.read_text())["applications"][0]["args"]
+    make_tiny_lora(Path(args["model"]["source"]), tmp_path / "tiny-lora-e", seed=7)
+    store = open_batch_store(args["batch"]["store"])
+    try:
+        record = store.reserve_adapter("tiny-lora-e", str(tmp_path / "tiny-lora-e"), False, RUNTIME_ADAPTER_FIRST_ID,
+                                       ADAPTER_LOAD_STALE_S)
+        store.settle_adapter(record.id, ready=True)
+
+        def listed() -> bool:
+            return "tiny-lora-e" in {c["id"] for c in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+
+        assert wait_until(listed, timeout_s=10), "the store's adapter never reached the Router"
+        answer = _complete(url, "tiny-lora-e")
+        assert answer.status_code == 200, answer.text
+        store.unload_adapter("tiny-lora-e")
+        assert wait_until(lambda: not listed(), timeout_s=10), "the unloaded adapter is still listed"
+        assert _complete(url, "tiny-lora-e").status_code == 404
+    finally:
+        store.close()
+
+
+def test_batch_lines_run_under_the_adapters_they_name(lora_app, served_model):
+    """A batch whose lines name the base model and an adapter: each line's answer is what a direct request for the
+    same model answers."""
+    import json
+    import time
+
+    url = lora_app.url
+    models = [served_model, ADAPTERS[0], ADAPTERS[1]]
+    lines = [json.dumps({"custom_id": model, "method": "POST", "url": "/v1/completions",
+                         "body": {"model": model, "prompt": "The json module encodes", "max_tokens": 6,
+                                  "temperature": 0, "ignore_eos": True}}) for model in models]
+    uploaded = httpx.post(f"{url}/v1/files", data={"purpose": "batch"}, timeout=60,
+                          files={"file": ("lines.jsonl", ("\n".join(lines) + "\n").encode())})
+    assert uploaded.status_code == 200, uploaded.text
+    batch = httpx.post(f"{url}/v1/batches", timeout=60, json={"input_file_id": uploaded.json()["id"],
+                                                              "endpoint": "/v1/completions"}).json()
+    deadline = time.monotonic() + 300
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(1)
+        batch = httpx.get(f"{url}/v1/batches/{batch['id']}", timeout=30).json()
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == len(models), batch
+    output = httpx.get(f"{url}/v1/files/{batch['output_file_id']}/content", timeout=60).text
+    answered = {row["custom_id"]: row["response"]["body"] for row in map(json.loads, output.splitlines())}
+    for model in models:
+        assert answered[model]["model"] == model
+        assert answered[model]["choices"][0]["text"] == _complete(url, model).json()["choices"][0]["text"], model
