@@ -65,3 +65,30 @@ def test_a_tenants_batch_lines_may_use_the_adapters_of_its_keys_together():
     principal = ring.authenticate(None) if ring.open else None
     assert principal is None
     assert KeyRing(AuthConfig(mode="none")).tenant_adapters("default") is None
+
+
+class _Surface:
+    async def model_cards(self):
+        return [{"id": "tiny", "parent": None}, {"id": "sql", "parent": "tiny", "root": "/a/sql"},
+                {"id": "chat", "parent": "tiny", "root": "/a/chat"}]
+
+
+class _Pipeline:
+    def __init__(self):
+        self.cfg = lora_cfg()
+        self.model = self.cfg.model.served_name
+        self.surface = _Surface()
+        self.serving_since = 0
+
+
+async def test_a_key_limited_to_adapters_lists_only_the_base_model_and_its_own():
+    import dataclasses
+
+    from app.router.auth import OPEN_PRINCIPAL
+    from app.router.http_api import HttpApi
+
+    surface = HttpApi()
+    surface.pipeline = _Pipeline()
+    limited = dataclasses.replace(OPEN_PRINCIPAL, adapters=frozenset({"sql"}))
+    assert [card["id"] for card in await surface._model_cards(limited)] == ["tiny", "sql"]
+    assert [card["id"] for card in await surface._model_cards(OPEN_PRINCIPAL)] == ["tiny", "sql", "chat"]
