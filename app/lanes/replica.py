@@ -17,9 +17,10 @@ from typing import Any
 from app.config import AppConfig, load_app_config
 from app.heap import freeze_startup_heap
 from app.observability.memory import start_memory_snapshots
+from app.lanes.adapter_residency import lane_adapter_residency
 from app.lanes.engine import configure_vllm_logging
 from app.lanes.engine_reaper import start_engine_reaper
-from app.lanes.replica_stats import ADAPTERS_STAT, KV_USAGE_STAT
+from app.lanes.replica_stats import ADAPTER_RESIDENCY_STAT, ADAPTERS_STAT, KV_USAGE_STAT
 from app.lanes.types import AdapterRef, EngineStats, LaneChunk, LaneRequest, LaneSaturated
 from app.observability.tracing import SPAN_LANE_GENERATE, Tracing
 from app.lanes.admission import Decision, PriorityGate, kv_headroom_decision
@@ -164,6 +165,8 @@ class LaneReplica:
         # LoRA adapters: requests running per adapter, and what the engine held at its last reading.
         self.running_by_adapter: Counter[str] = Counter()
         self.held_adapters: frozenset[str] = frozenset()
+        # Whether each adapter's request found it in the engine's host-memory cache (adapter_residency.py).
+        self.adapter_residency = lane_adapter_residency(self.cfg, self.lane)
         # High-water marks: lets an operator (and a test) see the realtime cap hold under load.
         self.max_inflight_by_class: Counter[str] = Counter()
         self.gate_waits_by_class: Counter[str] = Counter()
@@ -229,6 +232,9 @@ class LaneReplica:
         else:
             self.running_by_adapter[adapter] += 1
             self.held_adapters |= {adapter}  # the engine loads it for this request, if it did not hold it
+        residency = self.adapter_residency
+        if residency is not None:
+            residency.started(adapter)
         name = request.request_class.value
         self.inflight_by_class[name] += 1
         self.max_inflight_by_class[name] = max(self.max_inflight_by_class[name], self.inflight_by_class[name])
@@ -246,6 +252,8 @@ class LaneReplica:
                     trace.chunk(chunk)
                 yield chunk
         finally:
+            if residency is not None:
+                residency.finished(adapter)
             if adapter is not None:
                 self.running_by_adapter[adapter] -= 1
                 if not self.running_by_adapter[adapter]:
@@ -272,6 +280,8 @@ class LaneReplica:
         except ValueError as error:
             return str(error)
         self.held_adapters |= {adapter.name}
+        if self.adapter_residency is not None:
+            self.adapter_residency.loaded(adapter.name)
         return None
 
     def _publish_engine_metrics(self, engine_stats: EngineStats) -> None:
@@ -319,7 +329,8 @@ class LaneReplica:
             "held_for_kv_headroom": self.held_for_kv,
             "gate_waits_by_class": dict(self.gate_waits_by_class),
             "prefix_feed": self.prefix_feed.stats(),
-            **({"adapters_held": sorted(self.held_adapters), "running_by_adapter": dict(self.running_by_adapter)}
+            **({"adapters_held": sorted(self.held_adapters), "running_by_adapter": dict(self.running_by_adapter),
+                ADAPTER_RESIDENCY_STAT: self.adapter_residency.stats()}
                if self.cfg.serves_lora else {}),
         }
 

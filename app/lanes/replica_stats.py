@@ -9,6 +9,9 @@ KV_USAGE_STAT = "kv_usage"
 # The key under which it reports the LoRA adapters its engine holds: {adapter name: its requests running there}
 # (app/prefix_cache/adapter_affinity.py routes on it).
 ADAPTERS_STAT = "adapters"
+# The key of a lane replica's stats() (GET /v1/admin/stats) with its requests for an adapter that found it in the
+# engine's host-memory cache and those that had to load it (app/lanes/adapter_residency.py).
+ADAPTER_RESIDENCY_STAT = "adapter_residency"
 
 
 def merge_replica_stats(live: dict[str, Any], registry: list[dict[str, Any]]) -> list[dict[str, Any]]:
