@@ -24,6 +24,12 @@ sends to one URL). Direct ingress is a cluster setting, not a serve-config key (
 `--haproxy` (implies `--direct-ingress`), Ray's HAProxy front door answers on the proxy's port in place of Serve's
 Python proxy (load_tests/direct_ingress.py: HAPROXY_ENV); that target is named `app-…-haproxy`.
 
+With `--serve-llm PYTHON`, Ray Serve LLM's OpenAI app (`ray.serve.llm.build_openai_app`, one `LLMConfig`) is one
+more target, right after the first config's vLLM server: the engine arguments of the first `--serve-config`'s hot
+lane, through Serve's proxy on that config's port, started with `serve run` under PYTHON, an interpreter whose
+environment has Ray Serve LLM's packages (load_tests/serve_llm.py; its set-up in docs/benchmarks.md). Each app target
+with the same engine arguments is also compared with it ("app ÷ Ray Serve LLM").
+
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
 p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
 arguments: the median of its runs over the median of the server's), the per-run bench JSON files, the derived configs and every target's log.
@@ -58,6 +64,8 @@ FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p
 # The ratios the project targets (app ÷ vLLM's server, lower is better), per app config file name.
 TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.2, "median_tpot_ms": 1.2},
            "local.yaml": {"median_ttft_ms": 1.5, "p99_ttft_ms": 1.5}}
+# The ratios targeted against Ray Serve LLM on the same engine and proxy (app ÷ Ray Serve LLM).
+SERVE_LLM_TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_tpot_ms": 1.0}}
 
 
 def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
@@ -214,6 +222,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"engine arguments of a config's hot lane:", ""]
     lines += [f"- {target['name']}: `{' '.join(target['server_flags'])}`" for target in report["targets"]
               if target.get("server_flags")]
+    lines += [f"- {target['name']}: Ray Serve LLM's OpenAI app, `LLMConfig` `{json.dumps(target['llm_config'])}`"
+              for target in report["targets"] if target.get("llm_config")]
     lines.append("")
     if report.get("autogroup"):
         lines += ["**The kernel's autogroup scheduling was on**: the figures include its distortion "
@@ -226,20 +236,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         per_run = " · ".join(f"{run['median_ttft_ms']:.1f}/{run['p99_ttft_ms']:.1f}" for run in target["runs"])
         lines.append(f"| {target['name']} (TTFT p50/p99 per run: {per_run}) | {cells} | "
                      f"{s['output_throughput']:.0f} | {s['completed']} / {s['failed']} |")
-    lines += ["", "Ratios to vLLM's server (medians of the runs; lower is better; the target where one is set):", "",
-              "| target | " + " | ".join(label for label, _ in FIGURES) + " |", "|" + "---|" * (len(FIGURES) + 1)]
-    for target in report["targets"]:
-        if "ratios" not in target:
-            continue
-        goal = TARGETS.get(Path(target["config"]).name, {})
-        cells = []
-        for _, key in FIGURES:
-            value = target["ratios"].get(key)
-            text = "–" if value is None else f"{value:.2f}"
-            if value is not None and key in goal:
-                text += f" (≤ {goal[key]}: {'yes' if value <= goal[key] else 'no'})"
-            cells.append(text)
-        lines.append(f"| {target['name']} ÷ {target['compared_with']} | " + " | ".join(cells) + " |")
+    lines += ["", "Ratios to vLLM's server (medians of the runs; lower is better; the target where one is set):", ""]
+    lines += ratio_table(report["targets"], "ratios", "compared_with", TARGETS)
+    if any("ratios_serve_llm" in target for target in report["targets"]):
+        lines += ["", "Ratios to Ray Serve LLM on the same engine arguments (medians of the runs; lower is better; "
+                  "the target where one is set):", ""]
+        lines += ratio_table(report["targets"], "ratios_serve_llm", "compared_with_serve_llm", SERVE_LLM_TARGETS)
     for target in report["targets"]:
         profile = target.get("profile")
         if not profile:
@@ -254,6 +256,26 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += [f"| `{name}` | {own:.1%} | {anywhere:.1%} |" for name, own, anywhere in functions]
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def ratio_table(targets: list[dict[str, Any]], ratios_key: str, compared_key: str,
+                goals: dict[str, dict[str, float]]) -> list[str]:
+    """Markdown rows: each target that has `ratios_key` over the target named by `compared_key`, each ratio judged
+    against the goal set for the target's config file name."""
+    lines = ["| target | " + " | ".join(label for label, _ in FIGURES) + " |", "|" + "---|" * (len(FIGURES) + 1)]
+    for target in targets:
+        if ratios_key not in target:
+            continue
+        goal = goals.get(Path(target["config"]).name, {})
+        cells = []
+        for _, key in FIGURES:
+            value = target[ratios_key].get(key)
+            text = "–" if value is None else f"{value:.2f}"
+            if value is not None and key in goal:
+                text += f" (≤ {goal[key]}: {'yes' if value <= goal[key] else 'no'})"
+            cells.append(text)
+        lines.append(f"| {target['name']} ÷ {target[compared_key]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _log(message: str) -> None:
@@ -287,10 +309,63 @@ def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Nam
     return runs, profiled
 
 
+def plan_targets(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """The targets in the order they run: per config, vLLM's server (once per distinct engine arguments), Ray Serve
+    LLM after the first config's server (with --serve-llm), then the app. An app target names the targets its ratios
+    are taken over. ValueError for a config these options cannot measure."""
+    from load_tests import serve_llm
+    from load_tests.overload import derived_config
+    from load_tests.overlay import load_serve_config
+
+    plan: list[dict[str, Any]] = []
+    servers: dict[str, str] = {}  # engine arguments (JSON) -> the server target that runs them
+    serve_llm_key = serve_llm_name = None
+    for index, config in enumerate(args.serve_config):
+        document = load_serve_config(config)
+        engine_args, server_env = server_engine(document)
+        key = json.dumps([engine_args, server_env], sort_keys=True)
+        if key not in servers:
+            servers[key] = f"vllm-server-{len(servers) + 1}"
+            plan.append({"name": servers[key], "config": config, "engine_args": engine_args, "env": server_env})
+        if args.serve_llm and index == 0:
+            serve_llm_key = key
+            llm_config = serve_llm.llm_config(engine_args, server_env)
+            serve_llm_name = "serve-llm-1-haproxy" if args.haproxy else "serve-llm-1"
+            plan.append({"name": "serve-llm-1", "config": config, "engine_args": engine_args, "llm_config": llm_config,
+                         "serve_llm": serve_llm.serve_llm_document(document, llm_config)})
+        name = f"app-{index + 1}-{Path(config).stem}"
+        routers = direct_ingress.router_replicas(document)
+        if args.direct_ingress and routers != 1:
+            raise ValueError(f"--direct-ingress needs one Router replica; {config} has {routers} (vllm bench serve "
+                             "sends to one URL)")
+        plan.append({"name": name, "config": config, "document": derived_config(document, [], out / name),
+                     "compared_with": servers[key], "engine_args": engine_args})
+        # Only an app on the same engine arguments is compared with Ray Serve LLM.
+        if key == serve_llm_key:
+            plan[-1]["compared_with_serve_llm"] = serve_llm_name
+    return plan
+
+
+def check_serve_llm_main(argv: list[str]) -> int:
+    """Ray Serve LLM's start-up steps that need no Ray, on the LLMConfig the benchmark would give it."""
+    from load_tests import serve_llm
+    from load_tests.overlay import load_serve_config
+
+    parser = argparse.ArgumentParser(prog="python -m load_tests.vs_vllm check-serve-llm")
+    parser.add_argument("--serve-config", default="serve_configs/baseline-local.yaml")
+    parser.add_argument("--base", type=Path, help="the folder the config's model paths are relative to (default: "
+                        "this one)")
+    args = parser.parse_args(argv)
+    engine_args, env = server_engine(load_serve_config(args.serve_config))
+    return serve_llm.check(serve_llm.llm_config(engine_args, env, args.base))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return bench_main(argv[1:])
+    if argv and argv[0] == "check-serve-llm":
+        return check_serve_llm_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m load_tests.vs_vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve-config", action="append", required=True, help="app config to measure; repeatable")
@@ -309,40 +384,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--haproxy", action="store_true",
                         help="Ray's HAProxy front door in place of Serve's HTTP proxy on its port; implies "
                              "--direct-ingress")
+    parser.add_argument("--serve-llm", metavar="PYTHON",
+                        help="measure Ray Serve LLM's OpenAI app on the first config's hot-lane engine too, started "
+                             "with `serve run` under this interpreter (its environment has Ray Serve LLM's packages)")
     args = parser.parse_args(argv)
     args.direct_ingress = args.direct_ingress or args.haproxy
     app_env = direct_ingress.HAPROXY_ENV if args.haproxy else direct_ingress.ENV if args.direct_ingress else {}
 
-    from load_tests.overload import derived_config
-    from load_tests.overlay import load_serve_config
+    from app.router.proxy_middlewares import CALLBACK_ENV
+    from load_tests import serve_llm
     from load_tests.serve_runner import (AppStartError, ServedApp, app_url, checkout_env, default_cleanup_commands,
                                          default_start_command, default_stop_commands)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan: list[dict[str, Any]] = []
-    servers: dict[str, str] = {}  # engine arguments (JSON) -> the server target that runs them
-    for index, config in enumerate(args.serve_config):
-        document = load_serve_config(config)
-        engine_args, server_env = server_engine(document)
-        key = json.dumps([engine_args, server_env], sort_keys=True)
-        if key not in servers:
-            servers[key] = f"vllm-server-{len(servers) + 1}"
-            plan.append({"name": servers[key], "config": config, "engine_args": engine_args, "env": server_env})
-        name = f"app-{index + 1}-{Path(config).stem}"
-        routers = direct_ingress.router_replicas(document)
-        if args.direct_ingress and routers != 1:
-            parser.error(f"--direct-ingress needs one Router replica; {config} has {routers} (vllm bench serve "
-                         "sends to one URL)")
-        plan.append({"name": name, "config": config, "document": derived_config(document, [], out / name),
-                     "compared_with": servers[key], "engine_args": engine_args})
+    try:
+        plan = plan_targets(args, out)
+    except ValueError as error:
+        parser.error(str(error))
 
     targets: list[dict[str, Any]] = []
     for step in plan:
         name, engine_args = step["name"], step["engine_args"]
         model = engine_args.get("served_model_name") or engine_args["model"]
         tokenizer = engine_args.get("tokenizer") or engine_args["model"]
-        if "document" not in step:
+        if "serve_llm" in step:
+            config_path = out / f"{name}.yaml"
+            config_path.write_text(yaml.safe_dump(step["serve_llm"], sort_keys=False), encoding="utf-8")
+            url = app_url(step["serve_llm"]).rstrip("/")
+            # Ray Serve LLM has no readiness of its lanes to poll (one chat completion below says the engine is up),
+            # and its proxy runs none of the app's middlewares (an empty callback path is none).
+            served = ServedApp(url, out / f"{name}.log",
+                               start_command=serve_llm.start_command(args.serve_llm, str(config_path)),
+                               stop_commands=serve_llm.stop_commands(args.serve_llm),
+                               cleanup_commands=serve_llm.cleanup_commands(args.serve_llm),
+                               ready_timeout_s=args.ready_timeout, lanes_path=None,
+                               env={**checkout_env(), **app_env, CALLBACK_ENV: ""})
+        elif "document" not in step:
             url = f"http://127.0.0.1:{VLLM_SERVER_PORT}"
             served = ServedApp(url, out / f"{name}.log", start_command=vllm_server_command(engine_args,
                                                                                           VLLM_SERVER_PORT),
@@ -361,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             served.start()
             _log(f"{name} ready after {served.wait_ready():.0f} s")
-            front_name = f"{name}-haproxy" if args.haproxy and "document" in step else name
+            if "serve_llm" in step:
+                _log(f"{name} answering after {serve_llm.wait_answering(url, model, args.ready_timeout):.0f} s more")
+            on_serve = "document" in step or "serve_llm" in step
+            front_name = f"{name}-haproxy" if args.haproxy and on_serve else name
             measured.append((front_name, *_measure(front_name, url, model, tokenizer, args, out,
                                                    profile=args.profile and "document" in step)))
             if args.direct_ingress and "document" in step:
@@ -380,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
                 target["profile"] = profiled
             if "document" in step:
                 target["compared_with"] = step["compared_with"]
+                # Ray Serve LLM is measured through the proxy (or HAProxy) only: the app's direct-ingress figures
+                # have no counterpart there.
+                if "compared_with_serve_llm" in step and not measured_name.endswith("-direct"):
+                    target["compared_with_serve_llm"] = step["compared_with_serve_llm"]
+            elif "serve_llm" in step:
+                target["llm_config"] = step["llm_config"]
             else:
                 target["server_flags"] = engine_cli_args(engine_args)
             targets.append(target)
@@ -388,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     for target in targets:
         if "compared_with" in target:
             target["ratios"] = ratios(target["summary"], by_name[target["compared_with"]]["summary"])
+        if "compared_with_serve_llm" in target:
+            target["ratios_serve_llm"] = ratios(target["summary"],
+                                                by_name[target["compared_with_serve_llm"]]["summary"])
     report = {"settings": vars(args), "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "autogroup": host.autogroup_enabled(), "targets": targets}
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
