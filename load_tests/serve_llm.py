@@ -17,7 +17,11 @@ The `LLMConfig`:
 - `accelerator_config: {kind: cpu}`: without it (and without a placement group config of CPU-only bundles) Ray
   Serve LLM assumes a GPU, asks for one in its placement group and runs vLLM's Ray executor; on CPU it runs vLLM's
   multiprocessing executor and asks for `{CPU: 1}` per device, added to the replica's own CPU.
-- `deployment_config`: one replica, as the app's hot lane here.
+- `deployment_config`: one replica, reserving the CPUs of the app's hot-lane replica (`num_cpus`); Ray Serve LLM's
+  placement group adds the engine's `{CPU: 1}` to it.
+- `ingress_deployment_config` (beside the LLMConfig): the ingress reserves the CPUs of the app's Router replica.
+  Serve's default (1) beside the engine replica's group (2 on `baseline-local.yaml`) would ask 3 CPUs of a 2-core
+  host's 2, and the engine replica would never be placed.
 - `runtime_env.env_vars`: the lane's CPU binding (VLLM_CPU_OMP_THREADS_BIND), which the engine process inherits.
 
 Whether an environment can run it, without starting Ray (under that environment's interpreter, from the checkout):
@@ -59,7 +63,17 @@ def _absolute_if_local(value: str, base: Path) -> str:
     return str(path.resolve()) if path.exists() else value
 
 
-def llm_config(engine_args: dict[str, Any], env: dict[str, str], base: Path | None = None) -> dict[str, Any]:
+def app_reservations(app_document: dict[str, Any]) -> tuple[float, float]:
+    """The CPUs the app's serve config reserves for its Router replica and for its hot-lane replica."""
+    from app.config import AppConfig
+    from load_tests.overlay import llm_lanes_application
+
+    cfg = AppConfig.model_validate(llm_lanes_application(app_document).get("args") or {})
+    return cfg.router.num_cpus, cfg.hot_lane.deployment.num_cpus
+
+
+def llm_config(engine_args: dict[str, Any], env: dict[str, str], base: Path | None = None,
+               replica_cpus: float | None = None) -> dict[str, Any]:
     """The LLMConfig (as a dictionary `LLMConfig(**it)` takes) that serves these vLLM engine arguments on CPU."""
     base = base or Path.cwd()
     kwargs = {key: value for key, value in engine_args.items() if value is not None}
@@ -76,12 +90,15 @@ def llm_config(engine_args: dict[str, Any], env: dict[str, str], base: Path | No
         "accelerator_config": {"kind": "cpu"},
         "deployment_config": {"num_replicas": 1},
     }
+    if replica_cpus is not None:
+        config["deployment_config"]["ray_actor_options"] = {"num_cpus": replica_cpus}
     if env:
         config["runtime_env"] = {"env_vars": dict(env)}
     return config
 
 
-def serve_llm_document(app_document: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+def serve_llm_document(app_document: dict[str, Any], config: dict[str, Any],
+                       ingress_cpus: float | None = None) -> dict[str, Any]:
     """A serve config that runs Ray Serve LLM's OpenAI app on `config` behind the app config's proxy settings."""
     from load_tests.overlay import llm_lanes_application
 
@@ -92,6 +109,8 @@ def serve_llm_document(app_document: dict[str, Any], config: dict[str, Any]) -> 
     if env_vars:
         application["runtime_env"] = {"env_vars": copy.deepcopy(env_vars)}
     application["args"] = {"llm_configs": [copy.deepcopy(config)]}
+    if ingress_cpus is not None:
+        application["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": ingress_cpus}}
     document["applications"] = [application]
     return document
 
@@ -131,27 +150,35 @@ def _refuse_to_start_ray(*_args: Any, **_kwargs: Any) -> None:
     raise RuntimeError("this check runs without Ray: a step tried to start or connect to it")
 
 
-def check(config: dict[str, Any]) -> int:
-    """The steps of Ray Serve LLM's start-up that need no Ray, for one LLMConfig (a dictionary), each reported ok or
-    with its error; 1 if any failed."""
+def check(builder_args: dict[str, Any]) -> int:
+    """The steps of Ray Serve LLM's start-up that need no Ray, for the builder's args (`llm_configs` of one LLMConfig
+    as a dictionary, and the ingress's options), each reported ok or with its error; 1 if any failed."""
     import importlib
 
     import ray
     import ray._private.worker
 
     ray.init = ray._private.worker.init = _refuse_to_start_ray
-    print(f"LLMConfig: {config}", flush=True)
+    print(f"build_openai_app's args: {builder_args}", flush=True)
     state: dict[str, Any] = {}
 
     def build_config() -> None:
         from ray.serve.llm import LLMConfig
 
-        state["config"] = LLMConfig(**config)
+        state["config"] = LLMConfig(**builder_args["llm_configs"][0])
 
     def build_app() -> None:
+        from types import SimpleNamespace
+
         from ray.serve.llm import build_openai_app
 
-        state["app"] = build_openai_app({"llm_configs": [state["config"]]})
+        # The builder reads the driver's runtime_env from Ray's runtime context, which starts Ray when it is not
+        # running (under `serve run` it is): an empty one, as a driver without a runtime_env has, stands in for it.
+        real_context, ray.get_runtime_context = ray.get_runtime_context, lambda: SimpleNamespace(runtime_env={})
+        try:
+            state["app"] = build_openai_app({**builder_args, "llm_configs": [state["config"]]})
+        finally:
+            ray.get_runtime_context = real_context
 
     def engine_config() -> None:
         from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
@@ -162,8 +189,8 @@ def check(config: dict[str, Any]) -> int:
 
     steps = [("from ray.serve.llm import LLMConfig, build_openai_app",
               lambda: importlib.import_module("ray.serve.llm")),
-             ("LLMConfig(**config)", build_config),
-             ("build_openai_app({'llm_configs': [config]})", build_app),
+             ("LLMConfig(**llm_configs[0])", build_config),
+             ("build_openai_app(args) (Ray's runtime context stubbed)", build_app),
              ("_get_vllm_engine_config(config) (AsyncEngineArgs, VllmConfig)", engine_config)]
     steps += [(f"from {module} import {name}", lambda module=module, name=name: getattr(
         importlib.import_module(module), name)) for module, name in ENGINE_IMPORTS]

