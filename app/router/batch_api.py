@@ -66,7 +66,7 @@ async def execute_batch_line(pipeline: RequestPipeline, line: ClaimedLine,
 
 
 async def _execute_batch_line_once(pipeline: RequestPipeline, line: ClaimedLine,
-                                   adapters: frozenset[str] | None) -> dict[str, Any]:
+                                   adapters: frozenset[str] | None = None) -> dict[str, Any]:
     endpoint = ENDPOINTS_BY_PATH[line.url]
     # The batch's tenant (its key's batch class was checked when the batch was created; no rate limit: batch work
     # waits, it is never refused).
