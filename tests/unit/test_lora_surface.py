@@ -41,6 +41,15 @@ def lora_config(adapters: dict[str, Path], max_lora_rank: int = 8):
     return load_app_config(args)
 
 
+def pipeline_over(cfg, surface: OpenAISurface) -> tuple[RequestPipeline, dict[str, FakeLane]]:
+    """The request pipeline over `surface` and fake lanes that record what they are handed."""
+    lanes = {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
+    pipeline = RequestPipeline(cfg, surface, TrafficControl(cfg), FakeLanes(lanes),
+                               LlmLanesMetrics(metrics_module=FakeMetricsModule()),
+                               tr.setup_tracing({"exporter": "none"}, component="Router"))
+    return pipeline, lanes
+
+
 async def test_adapters_are_listed_under_the_base_model_and_served_by_name(adapter_dirs):
     surface = OpenAISurface(lora_config({"tiny-a": adapter_dirs["tiny-a"]}))
     await surface.load_static_adapters()
@@ -66,10 +75,7 @@ async def test_the_pipeline_hands_the_named_adapter_to_the_lane_and_none_for_the
     cfg = lora_config({"tiny-a": adapter_dirs["tiny-a"]})
     surface = OpenAISurface(cfg)
     await surface.load_static_adapters()
-    lanes = {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
-    pipeline = RequestPipeline(cfg, surface, TrafficControl(cfg), FakeLanes(lanes),
-                               LlmLanesMetrics(metrics_module=FakeMetricsModule()),
-                               tr.setup_tracing({"exporter": "none"}, component="Router"))
+    pipeline, lanes = pipeline_over(cfg, surface)
     for endpoint, body in ((COMPLETION, {"prompt": "Hello", "max_tokens": 2}),
                            (CHAT, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})):
         answer = await pipeline.answer(endpoint, {**body, "model": "tiny-a"})
@@ -101,10 +107,7 @@ async def test_a_key_limited_to_adapters_finds_no_other_adapter_but_always_the_b
     cfg = lora_config({"tiny-a": adapter_dirs["tiny-a"], "tiny-wide": adapter_dirs["tiny-wide"]}, max_lora_rank=16)
     surface = OpenAISurface(cfg)
     await surface.load_static_adapters()
-    lanes = {"hot": FakeLane("hot"), "cold": FakeLane("cold")}
-    pipeline = RequestPipeline(cfg, surface, TrafficControl(cfg), FakeLanes(lanes),
-                               LlmLanesMetrics(metrics_module=FakeMetricsModule()),
-                               tr.setup_tracing({"exporter": "none"}, component="Router"))
+    pipeline, lanes = pipeline_over(cfg, surface)
     limited = dataclasses.replace(OPEN_PRINCIPAL, adapters=frozenset({"tiny-a"}))
     body = {"prompt": "Hello", "max_tokens": 2}
     for model in ("tiny-a", "tiny", None):
