@@ -25,8 +25,8 @@ from app.config.security import REQUEST_CLASS_NAMES, TENANT_PATTERN, ApiKeyConfi
 
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"
-# The adapter the lanes' engines run the base model's requests under on a CPU host (app/lanes/engine.py,
-# identity_adapter): no served adapter may take its name.
+# The adapter the lanes' engines run the base model's requests under on a CPU host (app/lanes/identity_adapter.py
+# says why): no served adapter may take its name.
 IDENTITY_ADAPTER_NAME = "llm-lanes-identity"
 
 

@@ -34,8 +34,8 @@ class AdapterRef:
     path: str
 
 
-# The identity adapter a CPU host's engine runs the base model's requests under (app/lanes/engine.py's
-# identity_adapter says why). Named here, beside AdapterRef, so that what reads the engine's KV events can tell the
+# The identity adapter a CPU host's engine runs the base model's requests under (app/lanes/identity_adapter.py
+# says why). Named here, beside AdapterRef, so that what reads the engine's KV events can tell the
 # base model's blocks from an adapter's without importing the engine adapter.
 BASE_ADAPTER_NAME = IDENTITY_ADAPTER_NAME
 BASE_ADAPTER_ID = 2**31 - 1

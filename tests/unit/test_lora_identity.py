@@ -7,7 +7,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from app.config import load_app_config
-from app.lanes.engine import identity_adapter
+from app.lanes.identity_adapter import identity_adapter
 from tests.fakes import TINY_MODEL, cpu_args, openai_surface
 
 
