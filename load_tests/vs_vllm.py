@@ -9,7 +9,8 @@ with the engine arguments of that config's hot lane (once per distinct set of ar
 config (`serve run` of a derived copy: the batch store moved under `--out`). Each target is started, warmed up,
 measured `--runs` times with vLLM's own benchmark client (`vllm bench serve`: openai-chat, random `--input-len` in /
 `--output-len` out,
-`--num-prompts` at `--request-rate` req/s, `ignore_eos`), and stopped before the next starts. The engine arguments
+`--num-prompts` at `--request-rate` req/s, `ignore_eos`), then once at saturation (`--saturation-prompts` sent at once,
+`--saturation-concurrency` in flight: requests/s with the target always busy), and stopped before the next starts. The engine arguments
 come from the app's own mapping (`app.lanes.engine.engine_args_dict`), so both serve the same engine; a CPU
 binding of the lane (`cpu_threads_bind`) is passed to the server as VLLM_CPU_OMP_THREADS_BIND.
 
@@ -32,7 +33,8 @@ environment has Ray Serve LLM's packages (load_tests/serve_llm.py; its set-up in
 with the same engine arguments is also compared with it ("app ÷ Ray Serve LLM").
 
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
-p50, ITL p50, E2E p50, output tok/s, failures; and each app target's ratios to vLLM's server with the same engine
+p50, ITL p50, E2E p50, output tok/s, failures; requests/s at saturation; and each app target's ratios to vLLM's
+server with the same engine
 arguments, and to Ray Serve LLM where it ran: the median of its runs over the median of the other's), the per-run
 bench JSON files, the derived configs and every target's log.
 """
@@ -53,6 +55,7 @@ from typing import Any
 import yaml
 
 from load_tests import cpu_sampler, direct_ingress, host
+from load_tests.vs_vllm_report import FIGURES, render_markdown
 
 VLLM_SERVER_PORT = 8100
 READY_TIMEOUT_S = 600.0
@@ -62,15 +65,6 @@ PROFILED = {"proxy": "ProxyActor", "router": "ServeReplica:llm-lanes:Router",
 PROFILE_TOP = 12
 PROFILE_RATE_HZ = 100
 # The figures compared, as (label, the bench result's key).
-FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "median_tpot_ms"),
-           ("ITL p50", "median_itl_ms"), ("E2E p50", "median_e2el_ms"))
-# The ratios the project targets (app ÷ vLLM's server, lower is better), per app config file name.
-TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.2, "median_tpot_ms": 1.2},
-           "local.yaml": {"median_ttft_ms": 1.5, "p99_ttft_ms": 1.5}}
-# The ratios targeted against Ray Serve LLM on the same engine and proxy (app ÷ Ray Serve LLM).
-SERVE_LLM_TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_tpot_ms": 1.0}}
-
-
 def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
     """vLLM engine arguments (as AsyncEngineArgs takes them) -> the OpenAI server's command-line flags."""
     flags: list[str] = []
@@ -109,14 +103,16 @@ def vllm_server_command(engine_args: dict[str, Any], port: int) -> list[str]:
 
 
 def bench_command(url: str, model: str, tokenizer: str, args: argparse.Namespace, result_dir: Path,
-                  result_name: str, seed: int) -> list[str]:
+                  result_name: str, seed: int, max_concurrency: int | None = None) -> list[str]:
+    closed_loop = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     return [sys.executable, "-m", "load_tests.vs_vllm", "bench",
             "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
             "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(seed),
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name, "--disable-tqdm"]
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name, "--disable-tqdm",
+            *closed_loop]
 
 
 def bench_main(argv: list[str]) -> int:
@@ -216,78 +212,13 @@ def ratios(app: dict[str, Any], server: dict[str, Any]) -> dict[str, float]:
     return {key: app[key] / server[key] for _, key in FIGURES if server.get(key)}
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    settings = report["settings"]
-    lines = ["# The app against vLLM's own OpenAI server", "",
-             f"`vllm bench serve`, openai-chat, random {settings['input_len']} in / {settings['output_len']} out, "
-             f"{settings['num_prompts']} prompts at {settings['request_rate']} req/s, {settings['runs']} run(s) per "
-             f"target, targets one after the other on one machine ({report['when']}). Each vLLM server gets the "
-             f"engine arguments of a config's hot lane:", ""]
-    lines += [f"- {target['name']}: `{' '.join(target['server_flags'])}`" for target in report["targets"]
-              if target.get("server_flags")]
-    lines += [f"- {target['name']}: Ray Serve LLM's OpenAI app, `LLMConfig` `{json.dumps(target['llm_config'])}`"
-              for target in report["targets"] if target.get("llm_config")]
-    lines.append("")
-    if report.get("autogroup"):
-        lines += ["**The kernel's autogroup scheduling was on**: the figures include its distortion "
-                  "(load_tests/README.md).", ""]
-    header = ("| target | " + " | ".join(f"{label} (ms)" for label, _ in FIGURES)
-              + " | output tok/s | completed / failed |")
-    lines += [header, "|" + "---|" * (len(FIGURES) + 3)]
-    for target in report["targets"]:
-        s = target["summary"]
-        cells = " | ".join(f"{s[key]:.1f}" for _, key in FIGURES)
-        per_run = " · ".join(f"{run['median_ttft_ms']:.1f}/{run['p99_ttft_ms']:.1f}" for run in target["runs"])
-        lines.append(f"| {target['name']} (TTFT p50/p99 per run: {per_run}) | {cells} | "
-                     f"{s['output_throughput']:.0f} | {s['completed']} / {s['failed']} |")
-    lines += ["", "Ratios to vLLM's server (medians of the runs; lower is better; the target where one is set):", ""]
-    lines += ratio_table(report["targets"], "ratios", "compared_with", TARGETS)
-    if any("ratios_serve_llm" in target for target in report["targets"]):
-        lines += ["", "Ratios to Ray Serve LLM on the same engine arguments (medians of the runs; lower is better; "
-                  "the target where one is set):", ""]
-        lines += ratio_table(report["targets"], "ratios_serve_llm", "compared_with_serve_llm", SERVE_LLM_TARGETS)
-    for target in report["targets"]:
-        profile = target.get("profile")
-        if not profile:
-            continue
-        cores = ", ".join(f"{label} {value:.2f}" for label, value in profile["cores_by_process"].items())
-        lines += ["", f"## Profile: {target['name']} (an extra run, py-spy on)", "",
-                  f"CPU cores by process: {cores}.", ""]
-        for process, functions in profile["top_functions"].items():
-            lines += [f"{process} (flame graph: `profile/{target['name']}-{process}.svg`), share of the samples "
-                      "holding the GIL:", "",
-                      "| function | own | on the stack |", "|---|---|---|"]
-            lines += [f"| `{name}` | {own:.1%} | {anywhere:.1%} |" for name, own, anywhere in functions]
-            lines.append("")
-    return "\n".join(lines) + "\n"
-
-
-def ratio_table(targets: list[dict[str, Any]], ratios_key: str, compared_key: str,
-                goals: dict[str, dict[str, float]]) -> list[str]:
-    """Markdown rows: each target that has `ratios_key` over the target named by `compared_key`, each ratio judged
-    against the goal set for the target's config file name."""
-    lines = ["| target | " + " | ".join(label for label, _ in FIGURES) + " |", "|" + "---|" * (len(FIGURES) + 1)]
-    for target in targets:
-        if ratios_key not in target:
-            continue
-        goal = goals.get(Path(target["config"]).name, {})
-        cells = []
-        for _, key in FIGURES:
-            value = target[ratios_key].get(key)
-            text = "–" if value is None else f"{value:.2f}"
-            if value is not None and key in goal:
-                text += f" (≤ {goal[key]}: {'yes' if value <= goal[key] else 'no'})"
-            cells.append(text)
-        lines.append(f"| {target['name']} ÷ {target[compared_key]} | " + " | ".join(cells) + " |")
-    return lines
-
-
 def _log(message: str) -> None:
     print(f"[vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Namespace, out: Path,
-             profile: bool = False) -> tuple[list[dict], dict[str, Any] | None]:
+             profile: bool = False) -> tuple[list[dict], dict[str, Any] | None, dict[str, Any] | None]:
+    """The target's runs at the request rate, its saturation run (or None), its profile (or None)."""
     from load_tests.serve_runner import checkout_env
 
     env = {**os.environ, **checkout_env()}
@@ -302,6 +233,17 @@ def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Nam
         subprocess.run(bench_command(url, model, tokenizer, args, out / "bench", result_name, seed=args.seed + run),
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         runs.append(json.loads((out / "bench" / result_name).read_text(encoding="utf-8")))
+    saturation = None
+    if args.saturation_prompts:
+        # Requests/s with the target always busy: every request sent at once, `--saturation-concurrency` in flight
+        # (a closed loop, so the app's admission has no reason to refuse any).
+        _log(f"{name}: saturation run ({args.saturation_concurrency} in flight)")
+        closed = argparse.Namespace(**{**vars(args), "num_prompts": args.saturation_prompts, "request_rate": "inf"})
+        subprocess.run(bench_command(url, model, tokenizer, closed, out / "bench", f"{name}-saturation.json",
+                                     seed=args.seed, max_concurrency=args.saturation_concurrency),
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        saturation = saturation_figures(json.loads((out / "bench" / f"{name}-saturation.json").read_text(
+            encoding="utf-8")), args.saturation_concurrency)
     if profile:
         _log(f"{name}: profiled run")
         profiler = Profiler(out, name, args.num_prompts / args.request_rate + 5)
@@ -310,7 +252,12 @@ def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Nam
                                      seed=args.seed), check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.STDOUT)
         profiled = profiler.finish()
-    return runs, profiled
+    return runs, saturation, profiled
+
+
+def saturation_figures(result: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    return {"request_throughput": result["request_throughput"], "output_throughput": result["output_throughput"],
+            "completed": result["completed"], "failed": result.get("failed", 0), "concurrency": concurrency}
 
 
 def plan_targets(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
@@ -386,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="one more run per app target with py-spy on the proxy, Router and HotLane replica")
+    parser.add_argument("--saturation-prompts", type=int, default=128,
+                        help="requests of each target's saturation run (requests/s with the target always busy); "
+                             "0: no saturation run")
+    parser.add_argument("--saturation-concurrency", type=int, default=16,
+                        help="requests in flight in the saturation run")
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     parser.add_argument("--direct-ingress", action="store_true",
                         help="start each app with Serve's direct ingress and measure it also on the Router's own port")
@@ -443,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                                ready_timeout_s=args.ready_timeout,
                                env={**checkout_env(), **app_env})
         _log(f"starting {name}")
-        measured: list[tuple[str, list[dict], dict[str, Any] | None]] = []
+        measured: list[tuple[str, list[dict], dict[str, Any] | None, dict[str, Any] | None]] = []
         try:
             served.start()
             _log(f"{name} ready after {served.wait_ready():.0f} s")
@@ -463,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             served.stop()
-        for measured_name, runs, profiled in measured:
+        for measured_name, runs, saturation, profiled in measured:
             target = {"name": measured_name, "config": step["config"], "runs": runs, "summary": summarize(runs)}
+            if saturation is not None:
+                target["saturation"] = saturation
             if profiled is not None:
                 target["profile"] = profiled
             if "document" in step:

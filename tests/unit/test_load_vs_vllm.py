@@ -45,6 +45,38 @@ def test_ratios_are_medians_over_the_servers_medians_and_the_report_judges_the_t
                            "summary": app, "compared_with": "vllm-server-1", "ratios": ratios(app, server)}]}
     markdown = render_markdown(report)
     assert "| app-1-local ÷ vllm-server-1 | 1.33 (≤ 1.5: yes) | 1.57 (≤ 1.5: no) |" in markdown
+    assert "saturation" not in markdown  # no saturation run, no table
+
+
+def test_saturation_requests_per_second_are_reported_over_the_server_and_ray_serve_llm():
+    def saturated(rps: float) -> dict:
+        return vs_vllm.saturation_figures({"request_throughput": rps, "output_throughput": 32 * rps,
+                                           "completed": 128, "failed": 0}, 16)
+
+    run = _run(10, 30, 3)
+    targets = [{"name": "vllm-server-1", "config": "c", "server_flags": [], "runs": [run], "summary": summarize([run]),
+                "saturation": saturated(40.0)},
+               {"name": "serve-llm", "config": "c", "llm_config": {}, "runs": [run], "summary": summarize([run]),
+                "saturation": saturated(20.0)},
+               {"name": "app-1-baseline-local", "config": "c", "runs": [run], "summary": summarize([run]),
+                "compared_with": "vllm-server-1", "compared_with_serve_llm": "serve-llm",
+                "saturation": saturated(25.0)}]
+    report = {"settings": {"input_len": 128, "output_len": 32, "num_prompts": 64, "request_rate": 8, "runs": 1},
+              "when": "now", "autogroup": False, "targets": targets}
+    markdown = render_markdown(report)
+    assert "Requests/s at saturation (every request sent at once, 16 in flight" in markdown
+    assert "| vllm-server-1 | 40.0 | 1280 | 128 / 0 | – | – |" in markdown
+    assert "| app-1-baseline-local | 25.0 | 800 | 128 / 0 | 0.62 | 1.25 |" in markdown
+
+
+def test_the_saturation_run_is_a_closed_loop_of_every_request_at_once():
+    import argparse
+
+    args = argparse.Namespace(input_len=128, output_len=32, num_prompts=128, request_rate="inf", seed=0)
+    command = vs_vllm.bench_command("http://x", "m", "t", args, Path("/tmp"), "r.json", seed=0, max_concurrency=16)
+    assert command[command.index("--request-rate") + 1] == "inf"
+    assert command[command.index("--max-concurrency") + 1] == "16"
+    assert "--max-concurrency" not in vs_vllm.bench_command("http://x", "m", "t", args, Path("/tmp"), "r.json", 0)
 
 
 def test_top_functions_ranks_own_samples_and_merges_lines():
