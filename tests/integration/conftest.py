@@ -34,6 +34,8 @@ from app.router import proxy_middlewares
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 18000
 GRPC_PORT = 19000
+# Ray's dashboard of the app's local cluster (`serve run` starts it there): Serve's replica states, read over HTTP.
+DASHBOARD = "http://127.0.0.1:8265"
 START_TIMEOUT_S = 420
 TEST_MAX_NUM_SEQS = 8  # the cold lane's engine
 # Two running sequences on the hot engine: a few requests are enough to make some wait inside it.
@@ -357,6 +359,21 @@ def openai_client(app_url):
     import openai
 
     return openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def deployment_replicas(deployment: str) -> dict[str, str]:
+    """replica id -> state (STARTING, RUNNING...) of one of the app's deployments, from the dashboard's Serve API (an
+    HTTP request: a poll of `serve status` would start a Ray client process each time, taking the CPU from the
+    replicas being waited for); {} while it answers nothing."""
+    try:
+        app = httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"]["llm-lanes"]
+        return {replica["replica_id"]: replica["state"] for replica in app["deployments"][deployment]["replicas"]}
+    except (httpx.HTTPError, KeyError, ValueError, TypeError):
+        return {}
+
+
+def running_replicas(deployment: str) -> int:
+    return list(deployment_replicas(deployment).values()).count("RUNNING")
 
 
 def lane_stats(app_url: str) -> dict[str, dict]:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.integration.conftest import (KilledReplica, ReplicaKiller, orphaned_engine_processes, wait_until,
-                                        wait_until_async)
-from tests.integration.test_lifecycle import DASHBOARD, Load, Outcome
+from tests.integration.conftest import (KilledReplica, ReplicaKiller, deployment_replicas, orphaned_engine_processes,
+                                        running_replicas, wait_until, wait_until_async)
+from tests.integration.test_lifecycle import Load, Outcome
 from tests.integration.test_security import APP, COLD_REPLICAS, KEY_B, ROUTERS, bearer, replicas_running, use_app
 
 pytestmark = [pytest.mark.app(APP), pytest.mark.disrupts_app]
@@ -33,14 +33,6 @@ AFTER_KILL_TIMEOUT_S = 240
 PROBE_TOKENS = 200
 # Probes sent after the hot replica's kill, and answered, before the test looks at where they ran.
 DEGRADED_PROBES = 6
-
-
-def running_replicas(deployment: str) -> int:
-    try:
-        app = httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"]["llm-lanes"]
-        return sum(replica["state"] == "RUNNING" for replica in app["deployments"][deployment]["replicas"])
-    except (httpx.HTTPError, KeyError, ValueError):
-        return 0
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +128,19 @@ async def test_losing_one_of_two_cold_replicas_fails_no_request(lane_loss_app, s
     assert across, "no flex request was in flight at the kill: make them longer"
     assert not failed, describe(failed)
     assert wait_until(lambda: not orphaned_engine_processes(), timeout_s=30), orphaned_engine_processes()
-    # Serve replaces the replica; the app is whole again.
-    assert wait_until(lambda: running_replicas("ColdLane") == COLD_REPLICAS, timeout_s=240)
+    # Serve replaces the replica. The replacement starts while the next test runs (it needs the Routers, not the
+    # cold lane); the hot replica's test, the module's last, waits until the app is whole again.
+    killed_id = kill.name.rsplit("#", 1)[-1]
+
+    def replaced() -> bool:
+        replicas = deployment_replicas("ColdLane")
+        return len(replicas) == COLD_REPLICAS and killed_id not in replicas
+
+    assert wait_until(replaced, timeout_s=120), (killed_id, deployment_replicas("ColdLane"))
 
 
 async def test_losing_one_of_two_router_replicas_fails_only_its_own_requests(lane_loss_app, served_model):
-    assert wait_until(lambda: replicas_running(lane_loss_app), timeout_s=240)
+    assert wait_until(lambda: running_replicas("Router") == ROUTERS, timeout_s=240)
     load = Load(lane_loss_app.url, served_model)
     killer = ReplicaKiller("Router", only=False)
     try:

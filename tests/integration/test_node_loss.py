@@ -46,6 +46,7 @@ LANES = ("HotLane", "ColdLane")
 BATCH_LINES = 120
 START_TIMEOUT_S = 420
 RECOVERY_TIMEOUT_S = 300
+OUTLIVE_GRACE_S = 5
 
 
 def write_node_loss_config(tmp_dir, tiny_model):
@@ -119,7 +120,8 @@ class Probes:
                 sent = time.monotonic()
                 try:
                     response = client.post(f"{URL}/v1/completions", json=body)
-                    answer = Answer(sent, time.monotonic(), response.status_code, response.headers.get("x-llm-lanes-lane", ""),
+                    answer = Answer(sent, time.monotonic(), response.status_code,
+                                    response.headers.get("x-llm-lanes-lane", ""),
                                     response.headers.get("x-llm-lanes-replica", ""),
                                     "" if response.status_code == 200 else response.text[:200])
                 except httpx.HTTPError as error:
@@ -204,10 +206,13 @@ def stop_everything(ours) -> None:
     finally:
         ray.shutdown()
         ours.shutdown()
-    # Ray's workers exit once their raylet is gone; the engine reapers take the engines with them.
-    if not wait_until(lambda: not still_running(process_table(), OURS), timeout_s=30, interval_s=1):
-        left = doomed(process_table(), OURS)
-        warnings.warn(f"processes of the node-loss cluster outlived it by 30 s: killed {sorted(left)}")
+    # Ray's workers exit once their raylet is gone; the engine reapers take the engines with them. What the removed
+    # node left without its raylet may wait for nothing: a few seconds, then SIGKILL.
+    if not wait_until(lambda: not still_running(process_table(), OURS), timeout_s=OUTLIVE_GRACE_S, interval_s=0.5):
+        table = process_table()
+        left = doomed(table, OURS)
+        names = sorted(f"{pid} {table[pid].name}" for pid in left if pid in table)
+        warnings.warn(f"processes of the node-loss cluster outlived it by {OUTLIVE_GRACE_S} s: killed {names}")
         kill_all(left)
     kill_orphaned_engine_processes()
 

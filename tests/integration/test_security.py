@@ -19,7 +19,6 @@ import grpc
 import httpx
 import openai
 import pytest
-import yaml
 
 from app.lanes.engine_reaper import descendants, process_table
 from app.proto.llm_lanes.v1 import llm_lanes_pb2 as pb
@@ -27,7 +26,8 @@ from app.proto.llm_lanes.v1 import llm_lanes_pb2_grpc as pb_grpc
 from app.router.auth import hash_key
 from load_tests.tenant_flood import start_flood, stop_flood
 from tests.integration.conftest import (
-    GRPC_PORT, HTTP_PORT, TEST_MAX_FILE_BYTES, local_test_document, wait_until, write_serve_config,
+    GRPC_PORT, HTTP_PORT, TEST_MAX_FILE_BYTES, local_test_document, running_replicas, wait_until,
+    write_serve_config,
 )
 
 # The app of this module and of tests/integration/test_lane_loss.py, which kills replicas and so runs after this one.
@@ -69,16 +69,9 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def replicas_running(app) -> bool:
-    """Both Routers and both cold replicas RUNNING (`serve status`)."""
-    answer = subprocess.run([str(app.bin_dir / "serve"), "status"], env=app.env, capture_output=True, text=True,
-                            timeout=60)
-    try:
-        deployments = yaml.safe_load(answer.stdout)["applications"]["llm-lanes"]["deployments"]
-        return (deployments["Router"]["replica_states"].get("RUNNING", 0) == ROUTERS
-                and deployments["ColdLane"]["replica_states"].get("RUNNING", 0) == COLD_REPLICAS)
-    except (TypeError, KeyError, AttributeError, yaml.YAMLError):
-        return False
+def replicas_running(_app=None) -> bool:
+    """Both Routers and both cold replicas RUNNING."""
+    return running_replicas("Router") == ROUTERS and running_replicas("ColdLane") == COLD_REPLICAS
 
 
 def use_app(apps):
