@@ -4,9 +4,11 @@ interactive work (it is not left idle while requests wait for it, nor handed far
 interactive requests keep their TTFT within the config's `admission.interactive_ttft_slo_s` (as the Router measures
 it), the rest are refused with 429 and a usable Retry-After, flex work completes meanwhile, and nothing answers 5xx.
 
-The module runs on an app of its own: local.yaml's admission settings (its interactive_ttft_slo_s, not the shared
-test app's), on a hot engine small enough to overload with a few dozen streams on 2 cores yet larger than
-realtime_max_inflight, so interactive requests have hot slots of their own. The load and its figures come from
+The app ("two-hot-replicas", shared with tests/integration/test_prefix_approximate_feed.py, which runs after this
+module): local.yaml's admission settings (its interactive_ttft_slo_s, not the shared test app's) on two hot replicas
+whose engines are small enough to overload with a few dozen streams on 2 cores yet larger than
+realtime_max_inflight, so interactive requests have hot slots of their own; the approximate prefix feed, which the
+other module tests (this one's prompts are too short to be recorded). The load and its figures come from
 load_tests/overload.py (the benchmark's phases and aggregation, shorter and in this process); refused streams wait
 the Retry-After before their next request.
 """
@@ -32,12 +34,17 @@ from load_tests.overload import (
     summarize_samples,
 )
 from tests.integration.conftest import TEST_MAX_NUM_SEQS, local_test_document, write_serve_config
+from tests.integration.test_prefix_affinity_and_scaling import hot_replicas_report
 
-APP = "overload"
+APP = "two-hot-replicas"
 pytestmark = pytest.mark.app(APP)
 
-HOT_MAX_NUM_SEQS = 4
-REALTIME_MAX_INFLIGHT = 2  # hot slots left to interactive work: 4 - 2
+HOT_REPLICAS = 2
+HOT_MAX_NUM_SEQS = 2
+REALTIME_MAX_INFLIGHT = 1  # a hot slot per replica left to interactive work: 2 - 1
+# Longer than test_prefix_approximate_feed.py's own requests take, short enough to watch its entries expire (the
+# PrefixCache sweeps every 5 s).
+APPROXIMATE_TTL_S = 8
 
 LOAD_MULTIPLE = 5  # interactive streams per sequence the hot engines run at once
 FLEX_STREAMS = 2
@@ -52,18 +59,24 @@ REQUEST_TIMEOUT_S = 60.0
 RETRY_AFTER_RANGE_S = (1.0, 60.0)
 
 
-def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
+def write_two_hot_replicas_config(tmp_dir: Path, tiny_model: Path) -> Path:
     document, args = local_test_document(tiny_model)
+    args["hot_lane"]["deployment"]["num_replicas"] = HOT_REPLICAS
     args["hot_lane"]["engine"]["max_num_seqs"] = HOT_MAX_NUM_SEQS
     args["cold_lane"]["engine"]["max_num_seqs"] = TEST_MAX_NUM_SEQS
     args["admission"]["realtime_max_inflight"] = REALTIME_MAX_INFLIGHT
+    args["prefix_cache"].update(feed="approximate", approximate_ttl_s=APPROXIMATE_TTL_S)
     args["batch"] = {"store": str(tmp_dir / "batches.sqlite3")}
-    return write_serve_config(tmp_dir / "overload.yaml", document)
+    return write_serve_config(tmp_dir / "two-hot-replicas.yaml", document)
+
+
+def use_two_hot_replicas_app(apps):
+    return apps.use(APP, write_two_hot_replicas_config, ready=hot_replicas_report(HOT_REPLICAS))
 
 
 @pytest.fixture(scope="module")
 def overload_app(apps):
-    return apps.use(APP, _write_config)
+    return use_two_hot_replicas_app(apps)
 
 
 def served_args(app) -> dict:

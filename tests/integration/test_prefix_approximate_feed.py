@@ -2,46 +2,32 @@
 
 `prefix_cache.feed: approximate` is the fallback for engines without KV events: the Router records each long prompt
 on the replica Serve routed it to, and the PrefixCache forgets an entry nobody added or looked up for
-`approximate_ttl_s`. Its own app ("prefix-approximate": two hot-lane replicas, a short TTL).
+`approximate_ttl_s`. The app of tests/integration/test_overload.py ("two-hot-replicas": two hot-lane replicas, the
+approximate feed with a short TTL), after that module.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.integration.conftest import local_test_document, wait_until, write_serve_config
+from tests.integration.conftest import wait_until
+from tests.integration.test_overload import APP, APPROXIMATE_TTL_S, use_two_hot_replicas_app
 from tests.integration.test_prefix_affinity_and_scaling import (
     PREFIX_TOKENS,
     complete,
     holders,
-    hot_replicas_report,
     lanes,
     router_mirror_caught_up,
     shared_prefix_prompt,
     stats,
 )
 
-HOT_REPLICAS = 2
-# Longer than the test's own requests take, short enough to watch expire (the PrefixCache sweeps every 5 s).
-APPROXIMATE_TTL_S = 8
-
-
-def _write_config(tmp_dir: Path, tiny_model: Path) -> Path:
-    document, args = local_test_document(tiny_model)
-    args["hot_lane"]["deployment"]["num_replicas"] = HOT_REPLICAS
-    args["prefix_cache"].update(feed="approximate", approximate_ttl_s=APPROXIMATE_TTL_S)
-    return write_serve_config(tmp_dir / "prefix-approximate.yaml", document)
-
-
-APP = "prefix-approximate"
 pytestmark = pytest.mark.app(APP)
 
 
 @pytest.fixture(scope="module")
 def approximate_app(apps):
-    return apps.use(APP, _write_config, ready=hot_replicas_report(HOT_REPLICAS))
+    return use_two_hot_replicas_app(apps)
 
 
 def test_routing_feeds_the_index_and_unused_entries_expire(approximate_app, served_model):
