@@ -11,7 +11,7 @@ FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p
            ("ITL p50", "median_itl_ms"), ("E2E p50", "median_e2el_ms"))
 # The ratios the project targets (app ÷ vLLM's server, lower is better), per app config file name.
 TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.2, "median_tpot_ms": 1.2},
-           "local.yaml": {"median_ttft_ms": 1.5, "p99_ttft_ms": 1.5}}
+           "local.yaml": {"median_ttft_ms": 2.0, "p99_ttft_ms": 2.0}}
 # The ratios targeted against Ray Serve LLM on the same engine and proxy (app ÷ Ray Serve LLM).
 SERVE_LLM_TARGETS = {"baseline-local.yaml": {"median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_tpot_ms": 1.0}}
 

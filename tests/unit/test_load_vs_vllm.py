@@ -44,7 +44,7 @@ def test_ratios_are_medians_over_the_servers_medians_and_the_report_judges_the_t
                           {"name": "app-1-local", "config": "serve_configs/local.yaml", "runs": [_run(15, 60, 3.3)],
                            "summary": app, "compared_with": "vllm-server-1", "ratios": ratios(app, server)}]}
     markdown = render_markdown(report)
-    assert "| app-1-local ÷ vllm-server-1 | 1.33 (≤ 1.5: yes) | 1.57 (≤ 1.5: no) |" in markdown
+    assert "| app-1-local ÷ vllm-server-1 | 1.33 (≤ 2.0: yes) | 1.57 (≤ 2.0: yes) |" in markdown
     assert "saturation" not in markdown  # no saturation run, no table
 
 
