@@ -9,8 +9,12 @@ disk once, the least recently used evicted). A request for an adapter its replic
 2. A request for an adapter goes to the candidates whose engines hold it ("adapter_loaded"), unless
 3. the adapter is in heavy use: every one of those runs at least `spread_at` of its requests. Then the candidates that
    do not hold it join them ("adapter_spread"), so an adapter in heavy use spreads over more replicas, and the
-   load-based choice among them picks where it spreads.
-4. No candidate holds it: the candidates with the fewest adapters loaded, whose engines evict least to load it
+   load-based choice among them picks where it spreads; or
+4. its holders are busy: each one's queue is at least `max_queue_imbalance` requests longer than the shortest queue
+   among the candidates that do not hold it (the bound prefix affinity yields at, policy.py). Then every candidate
+   joins ("adapter_spread_busy"): a replica that holds several popular adapters otherwise takes most of their
+   requests while another idles, and waiting in its queue costs more than reading the adapter from disk.
+5. No candidate holds it: the candidates with the fewest adapters loaded, whose engines evict least to load it
    ("adapter_not_loaded").
 
 Each replica reports what it holds in its routing stats (app.lanes.replica_stats.ADAPTERS_STAT: adapter name -> its
@@ -39,6 +43,7 @@ class AdapterReason(str, Enum):
     BASE_MODEL = "base_model"
     LOADED = "adapter_loaded"
     SPREAD = "adapter_spread"
+    SPREAD_BUSY = "adapter_spread_busy"
     NOT_LOADED = "adapter_not_loaded"
 
 
@@ -58,18 +63,26 @@ def adapter_root_hash(adapter: str | None) -> BlockHash:
 
 
 def narrow_for_adapter(adapter: str | None, candidates: Sequence[str],
-                       held: Mapping[str, Mapping[str, int]], spread_at: int) -> AdapterNarrowing:
+                       held: Mapping[str, Mapping[str, int]], spread_at: int,
+                       queue_lens: Mapping[str, int] | None = None,
+                       max_queue_imbalance: int | None = None) -> AdapterNarrowing:
     """The candidate replica ids (in their given order) a request for `adapter` (None: the base model) is routed
     among, and why. `held`: replica id -> {adapter it holds: its requests running there}; a replica missing from it
-    holds none. `spread_at`: requests per holder at which an adapter spreads to more replicas (rule 3)."""
+    holds none. `spread_at`: requests per holder at which an adapter spreads to more replicas (rule 3).
+    `queue_lens` (replica id -> its queue) and `max_queue_imbalance`: rule 4, off when either is None."""
     if spread_at < 1:
         raise ValueError(f"spread_at={spread_at} must be >= 1")
     if not adapter or not candidates:
         return AdapterNarrowing(tuple(candidates), AdapterReason.BASE_MODEL)
     holders = [replica for replica in candidates if adapter in held.get(replica, {})]
     if holders:
-        if len(holders) < len(candidates) and all(held[r][adapter] >= spread_at for r in holders):
+        others = [replica for replica in candidates if replica not in holders]
+        if others and all(held[r][adapter] >= spread_at for r in holders):
             return AdapterNarrowing(tuple(candidates), AdapterReason.SPREAD)
+        if others and queue_lens is not None and max_queue_imbalance is not None:
+            shortest_other = min(queue_lens.get(r, 0) for r in others)
+            if all(queue_lens.get(r, 0) - shortest_other >= max_queue_imbalance for r in holders):
+                return AdapterNarrowing(tuple(candidates), AdapterReason.SPREAD_BUSY)
         return AdapterNarrowing(tuple(holders), AdapterReason.LOADED)
     fewest = min(len(held.get(replica, {})) for replica in candidates)
     return AdapterNarrowing(tuple(r for r in candidates if len(held.get(r, {})) == fewest), AdapterReason.NOT_LOADED)

@@ -378,7 +378,9 @@ class PrefixAffinityRouter(ReportsReplicaSet, RequestRouter):
         """The candidates a request for LoRA adapter `adapter` is routed among (adapter_affinity.py): those whose
         engines hold it, as their routing stats say."""
         held = {load.replica_id: (replica.routing_stats or {}).get(ADAPTERS_STAT) or {} for replica, load in loads}
-        narrowing = narrow_for_adapter(adapter, [load.replica_id for _, load in loads], held, self.adapter_spread_at)
+        narrowing = narrow_for_adapter(adapter, [load.replica_id for _, load in loads], held, self.adapter_spread_at,
+                                       {load.replica_id: load.queue_len for _, load in loads},
+                                       self.policy.max_queue_imbalance)
         self.stats.count_adapter_routing(narrowing.reason.value)
         return [(replica, load) for replica, load in loads if load.replica_id in narrowing.replica_ids]
 

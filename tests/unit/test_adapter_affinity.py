@@ -35,7 +35,27 @@ def test_rule_3_an_adapter_in_heavy_use_spreads_to_every_candidate():
     assert narrow_for_adapter("a", REPLICAS, held, spread_at=4).reason is AdapterReason.LOADED
 
 
-def test_rule_4_an_adapter_nobody_holds_goes_where_the_fewest_adapters_are_loaded():
+def test_rule_4_an_adapter_whose_holders_are_busy_spreads_to_every_candidate():
+    held = {"r1": {"a": 1, "b": 3}, "r2": {"c": 0}}
+    # r1's queue is 4 longer than r2's, the shortest of those that do not hold "a".
+    narrowed = narrow_for_adapter("a", REPLICAS, held, spread_at=8, queue_lens={"r1": 5, "r2": 1, "r3": 2},
+                                  max_queue_imbalance=4)
+    assert narrowed.replica_ids == REPLICAS and narrowed.reason is AdapterReason.SPREAD_BUSY
+    # 3 longer: below the bound, the holder keeps it.
+    narrowed = narrow_for_adapter("a", REPLICAS, held, spread_at=8, queue_lens={"r1": 4, "r2": 1, "r3": 2},
+                                  max_queue_imbalance=4)
+    assert narrowed.replica_ids == ("r1",) and narrowed.reason is AdapterReason.LOADED
+    # Every holder must be that busy: one holder with a short queue takes it.
+    held = {"r1": {"a": 1}, "r2": {"a": 0}}
+    narrowed = narrow_for_adapter("a", REPLICAS, held, spread_at=8, queue_lens={"r1": 6, "r2": 0, "r3": 0},
+                                  max_queue_imbalance=4)
+    assert narrowed.replica_ids == ("r1", "r2") and narrowed.reason is AdapterReason.LOADED
+    # Without queue lengths (or a bound) the rule is off.
+    held = {"r1": {"a": 1}}
+    assert narrow_for_adapter("a", REPLICAS, held, spread_at=8).reason is AdapterReason.LOADED
+
+
+def test_rule_5_an_adapter_nobody_holds_goes_where_the_fewest_adapters_are_loaded():
     held = {"r1": {"b": 0, "c": 0}, "r2": {"b": 0}, "r3": {"c": 1}}
     narrowed = narrow_for_adapter("a", REPLICAS, held, spread_at=4)
     assert narrowed.replica_ids == ("r2", "r3") and narrowed.reason is AdapterReason.NOT_LOADED
