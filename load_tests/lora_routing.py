@@ -1,8 +1,8 @@
 """LoRA adapters under Zipf traffic: how often a request finds its adapter loaded, and what adapters cost.
 
 Eight tiny adapters of the base model (app.tools.make_tiny_lora, seeds 1-8) on two cold-lane replicas whose engines
-mix 2 adapters in a step and hold 4 each in host memory (load_tests/configs/lora-routing.yaml;
-load_tests/configs/lora-routing-cache-2.yaml: 2 each). For each routing the app is started
+mix 4 adapters in a step and hold 4 each in host memory (load_tests/configs/lora-routing.yaml; its variants
+lora-routing-max-loras-2.yaml and lora-routing-cache-2.yaml: 2 in a step, and 2 in a step and in memory). For each routing the app is started
 fresh (its own batch store, so no adapter is known), the adapters are loaded through POST /v1/load_lora_adapter
 (each timed), then flex requests (the cold lane) arrive at a Poisson rate for a fixed time, each naming an adapter
 drawn from a Zipf law (s = 1.1, adapter 1 the most popular), and then the same arrivals name the base model. Every

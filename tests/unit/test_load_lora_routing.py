@@ -50,7 +50,7 @@ def test_each_run_serves_the_overlay_with_its_routing_and_a_store_of_its_own(tmp
     assert cfg.batch.store == str((tmp_path / label / "batches.sqlite3").resolve())
     cold = cfg.cold_lane
     assert cold.deployment.num_replicas == 2
-    assert (cold.engine.lora.max_loras, cold.engine.lora.max_cpu_loras) == (2, 4)
+    assert (cold.engine.lora.max_loras, cold.engine.lora.max_cpu_loras) == (4, 4)
     assert cfg.serves_lora and not cfg.model.adapters  # loaded at run time, through the admin endpoint
     assert lane_request_router_config(cfg, cold)["request_router_class"].endswith(":" + router)
 
