@@ -8,11 +8,11 @@ Targets, one after the other: for each `--serve-config`, vLLM's own OpenAI serve
 with the engine arguments of that config's hot lane (once per distinct set of arguments), then the app under that
 config (`serve run` of a derived copy: the batch store moved under `--out`). Each target is started, warmed up,
 measured `--runs` times with vLLM's own benchmark client (`vllm bench serve`: openai-chat, random `--input-len` in /
-`--output-len` out,
-`--num-prompts` at `--request-rate` req/s, `ignore_eos`), then once at saturation (`--saturation-prompts` sent at once,
-`--saturation-concurrency` in flight: requests/s with the target always busy), and stopped before the next starts. The engine arguments
-come from the app's own mapping (`app.lanes.engine.engine_args_dict`), so both serve the same engine; a CPU
-binding of the lane (`cpu_threads_bind`) is passed to the server as VLLM_CPU_OMP_THREADS_BIND.
+`--output-len` out, `--num-prompts` at `--request-rate` req/s, `ignore_eos`), then once at saturation
+(`--saturation-prompts` sent at once, `--saturation-concurrency` in flight: requests/s with the target always busy),
+and stopped before the next starts. The engine arguments come from the app's own mapping
+(`app.lanes.engine.engine_args_dict`), so both serve the same engine; a CPU binding of the lane (`cpu_threads_bind`)
+is passed to the server as VLLM_CPU_OMP_THREADS_BIND.
 
 With `--profile`, each app target gets one more run, not counted in the figures, sampled with py-spy (100 Hz,
 non-blocking, only threads holding the GIL: Python's own work) in the HTTP proxy, the Router and the HotLane replica:
@@ -34,9 +34,8 @@ with the same engine arguments is also compared with it ("app ÷ Ray Serve LLM")
 
 Outputs in --out: report.json (settings, every run's bench result), report.md (per target: TTFT p50 / p99, TPOT
 p50, ITL p50, E2E p50, output tok/s, failures; requests/s at saturation; and each app target's ratios to vLLM's
-server with the same engine
-arguments, and to Ray Serve LLM where it ran: the median of its runs over the median of the other's), the per-run
-bench JSON files, the derived configs and every target's log.
+server with the same engine arguments, and to Ray Serve LLM where it ran: the median of its runs over the median of
+the other's), the per-run bench JSON files, the derived configs and every target's log.
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ PROFILED = {"proxy": "ProxyActor", "router": "ServeReplica:llm-lanes:Router",
             "hot-lane": "ServeReplica:llm-lanes:HotLane"}
 PROFILE_TOP = 12
 PROFILE_RATE_HZ = 100
-# The figures compared, as (label, the bench result's key).
 def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
     """vLLM engine arguments (as AsyncEngineArgs takes them) -> the OpenAI server's command-line flags."""
     flags: list[str] = []
@@ -239,11 +237,12 @@ def _measure(name: str, url: str, model: str, tokenizer: str, args: argparse.Nam
         # (a closed loop, so the app's admission has no reason to refuse any).
         _log(f"{name}: saturation run ({args.saturation_concurrency} in flight)")
         closed = argparse.Namespace(**{**vars(args), "num_prompts": args.saturation_prompts, "request_rate": "inf"})
-        subprocess.run(bench_command(url, model, tokenizer, closed, out / "bench", f"{name}-saturation.json",
+        result_name = f"{name}-saturation.json"
+        subprocess.run(bench_command(url, model, tokenizer, closed, out / "bench", result_name,
                                      seed=args.seed, max_concurrency=args.saturation_concurrency),
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        saturation = saturation_figures(json.loads((out / "bench" / f"{name}-saturation.json").read_text(
-            encoding="utf-8")), args.saturation_concurrency)
+        saturation = saturation_figures(json.loads((out / "bench" / result_name).read_text(encoding="utf-8")),
+                                        args.saturation_concurrency)
     if profile:
         _log(f"{name}: profiled run")
         profiler = Profiler(out, name, args.num_prompts / args.request_rate + 5)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+# The figures compared, as (label, the bench result's key).
 FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "median_tpot_ms"),
            ("ITL p50", "median_itl_ms"), ("E2E p50", "median_e2el_ms"))
 # The ratios the project targets (app ÷ vLLM's server, lower is better), per app config file name.

@@ -361,13 +361,18 @@ def openai_client(app_url):
     return openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def deployed_app(app_name: str = "llm-lanes") -> dict:
+    """The application as the dashboard's Serve API reports it (an HTTP request: a poll of `serve status` would start
+    a Ray client process each time, taking the CPU from the replicas being waited for)."""
+    return httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"][app_name]
+
+
 def deployment_replicas(deployment: str) -> dict[str, str]:
-    """replica id -> state (STARTING, RUNNING...) of one of the app's deployments, from the dashboard's Serve API (an
-    HTTP request: a poll of `serve status` would start a Ray client process each time, taking the CPU from the
-    replicas being waited for); {} while it answers nothing."""
+    """replica id -> state (STARTING, RUNNING...) of one of the app's deployments (deployed_app); {} while the
+    dashboard answers nothing."""
     try:
-        app = httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"]["llm-lanes"]
-        return {replica["replica_id"]: replica["state"] for replica in app["deployments"][deployment]["replicas"]}
+        return {replica["replica_id"]: replica["state"]
+                for replica in deployed_app()["deployments"][deployment]["replicas"]}
     except (httpx.HTTPError, KeyError, ValueError, TypeError):
         return {}
 

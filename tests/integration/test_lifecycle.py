@@ -25,13 +25,13 @@ import yaml
 
 from app.batch.sqlite_store import SqliteBatchStore
 from app.lanes.engine_reaper import descendants, process_table, read_process
-from tests.integration.conftest import wait_until, write_serve_config, write_shared_test_config
+from tests.integration.conftest import (DASHBOARD, deployed_app, wait_until, write_serve_config,
+                                        write_shared_test_config)
 from tests.integration.test_batch_api import wait_for_batch
 from tests.integration.test_faults import assert_each_line_recorded_once, submit
 
 pytestmark = [pytest.mark.app("lifecycle"), pytest.mark.disrupts_app]
 
-DASHBOARD = "http://127.0.0.1:8265"
 STREAM_TOKENS = 1800  # seconds on the hot lane: streams are in flight whenever the old replicas are told to stop
 STREAMERS = 2
 HOT_MAX_NUM_SEQS = 8  # the streams and the flex requests fit: nothing is refused for load
@@ -117,10 +117,6 @@ class Load:
                 raise
             outcome.ended = time.monotonic()
             await asyncio.sleep(0.5)
-
-
-def deployed_app(app_name: str = "llm-lanes") -> dict:
-    return httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).json()["applications"][app_name]
 
 
 def updated(new_args: dict) -> bool:
